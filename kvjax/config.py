@@ -1,0 +1,277 @@
+"""Validated, frozen configuration of the KV cache, its retention policy and the scheduler.
+
+Field names and defaults follow TensorRT-LLM's ``KvCacheConfig`` (see SPEC A/B). Every
+dataclass validates itself at construction: a bad value raises ``ConfigError`` naming the
+field, the value and what is allowed, so no half-built cache ever exists.
+
+A mapping in the shape of TensorRT-LLM's YAML (``kv_cache_config:`` / ``scheduler_config:``)
+loads with :func:`load_llm_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import yaml
+
+DEFAULT_PRIORITY = 35
+"""Priority of a block that no retention rule covers (TensorRT-LLM's default)."""
+MIN_PRIORITY = 0
+MAX_PRIORITY = 100
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is outside its allowed range."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_priority(field: str, value: Any) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and MIN_PRIORITY <= value <= MAX_PRIORITY,
+        f"{field}={value!r} must be an int in [{MIN_PRIORITY}, {MAX_PRIORITY}] (100 = most important)",
+    )
+
+
+def _check_duration(field: str, value: Any) -> None:
+    _require(
+        value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
+        f"{field}={value!r} must be None (no expiry) or a positive number of milliseconds",
+    )
+
+
+def _from_mapping(cls: type, mapping: Mapping[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - names)
+    _require(not unknown, f"{where}: unknown field(s) {unknown}; allowed: {sorted(names)}")
+    return cls(**mapping)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenRangeRetentionConfig:
+    """Priority for the tokens ``[token_start, token_end)`` of a request's prompt.
+
+    Attributes:
+      token_start: first token index covered, >= 0.
+      token_end: one past the last token covered, > token_start; None covers to the end
+        of the sequence (prompt and generated tokens).
+      priority: 0..100, 100 = evicted last.
+      duration_ms: after this many milliseconds the blocks fall back to the default
+        priority (35); None keeps the priority until the block is evicted.
+    """
+
+    token_start: int
+    token_end: int | None
+    priority: int
+    duration_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.token_start, int) and self.token_start >= 0,
+            f"token_start={self.token_start!r} must be an int >= 0",
+        )
+        _require(
+            self.token_end is None or (isinstance(self.token_end, int) and self.token_end > self.token_start),
+            f"token_end={self.token_end!r} must be None (to the end) or an int > token_start={self.token_start}",
+        )
+        _check_priority("priority", self.priority)
+        _check_duration("duration_ms", self.duration_ms)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvCacheRetentionConfig:
+    """A request's retention policy: priorities for prompt token ranges and generated tokens.
+
+    Attributes:
+      token_range_retention_configs: non-overlapping token ranges, each with a priority.
+      decode_retention_priority: priority of blocks filled by generated tokens.
+      decode_duration_ms: expiry of the decode priority (None = never).
+    """
+
+    token_range_retention_configs: tuple[TokenRangeRetentionConfig, ...] = ()
+    decode_retention_priority: int = DEFAULT_PRIORITY
+    decode_duration_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        ranges = tuple(
+            r if isinstance(r, TokenRangeRetentionConfig) else _from_mapping(TokenRangeRetentionConfig, r, "token range")
+            for r in self.token_range_retention_configs
+        )
+        object.__setattr__(self, "token_range_retention_configs", ranges)
+        _check_priority("decode_retention_priority", self.decode_retention_priority)
+        _check_duration("decode_duration_ms", self.decode_duration_ms)
+        ordered = sorted(ranges, key=lambda r: r.token_start)
+        for i, (a, b) in enumerate(zip(ordered, ordered[1:])):
+            _require(
+                a.token_end is not None and a.token_end <= b.token_start,
+                f"token_range_retention_configs overlap: [{a.token_start}, {a.token_end}) and "
+                f"[{b.token_start}, {b.token_end}); ranges must be disjoint",
+            )
+
+    def priority_at(self, token_index: int) -> tuple[int, float | None]:
+        """(priority, duration_ms) of the prompt token at ``token_index``."""
+        for r in self.token_range_retention_configs:
+            if r.token_start <= token_index and (r.token_end is None or token_index < r.token_end):
+                return r.priority, r.duration_ms
+        return DEFAULT_PRIORITY, None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvCacheConfig:
+    """The KV cache: sizing, dtype, reuse, offload, windows and events (SPEC A, B).
+
+    Attributes:
+      tokens_per_block: tokens in one page/block (power of two, 1..1024).
+      dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
+      free_gpu_memory_fraction: share of free device memory given to the cache, in (0, 1).
+      max_tokens: cap on cached tokens; with the fraction, the smaller size wins.
+      free_memory_bytes: the free memory to size against where the backend cannot tell
+        (CPU); None measures it.
+      enable_block_reuse: reuse blocks across requests through the radix tree.
+      host_cache_size: bytes of the host (secondary) tier; 0 disables offload.
+      secondary_offload_min_priority: blocks with priority below this are dropped, not offloaded.
+      enable_partial_reuse: reuse a block whose tokens match only in part.
+      copy_on_partial_reuse: copy the matching tokens into a fresh block (else reuse the
+        partially matched block only when no other request holds it).
+      max_attention_window: attention window per layer, cycled over the layers; None = full.
+      event_buffer_max_size: capacity of the KV cache event buffer; 0 disables events.
+      use_kv_cache_manager_v2: "auto", "true" or "false" (booleans accepted).
+    """
+
+    tokens_per_block: int = 32
+    dtype: str = "auto"
+    free_gpu_memory_fraction: float = 0.9
+    max_tokens: int | None = None
+    free_memory_bytes: int | None = None
+    enable_block_reuse: bool = True
+    host_cache_size: int = 0
+    secondary_offload_min_priority: int = DEFAULT_PRIORITY
+    enable_partial_reuse: bool = True
+    copy_on_partial_reuse: bool = True
+    max_attention_window: tuple[int, ...] | None = None
+    event_buffer_max_size: int = 0
+    use_kv_cache_manager_v2: Literal["auto", "true", "false"] = "auto"
+
+    def __post_init__(self) -> None:
+        t = self.tokens_per_block
+        _require(
+            isinstance(t, int) and 1 <= t <= 1024 and (t & (t - 1)) == 0,
+            f"tokens_per_block={t!r} must be a power of two in [1, 1024]",
+        )
+        _require(self.dtype in KV_DTYPES, f"dtype={self.dtype!r} must be one of {KV_DTYPES}")
+        f = self.free_gpu_memory_fraction
+        _require(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 < f < 1.0,
+            f"free_gpu_memory_fraction={f!r} must be a float in the open interval (0, 1)",
+        )
+        _require(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens > 0),
+            f"max_tokens={self.max_tokens!r} must be None or a positive int",
+        )
+        _require(
+            self.free_memory_bytes is None or (isinstance(self.free_memory_bytes, int) and self.free_memory_bytes > 0),
+            f"free_memory_bytes={self.free_memory_bytes!r} must be None (measure) or a positive int",
+        )
+        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
+            _require(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
+        _require(
+            isinstance(self.host_cache_size, int) and self.host_cache_size >= 0,
+            f"host_cache_size={self.host_cache_size!r} must be an int >= 0 (bytes)",
+        )
+        _check_priority("secondary_offload_min_priority", self.secondary_offload_min_priority)
+        if self.max_attention_window is not None:
+            window = tuple(self.max_attention_window)
+            object.__setattr__(self, "max_attention_window", window)
+            _require(
+                len(window) > 0 and all(isinstance(w, int) and w > 0 for w in window),
+                f"max_attention_window={window!r} must be a non-empty list of positive ints",
+            )
+        _require(
+            isinstance(self.event_buffer_max_size, int) and self.event_buffer_max_size >= 0,
+            f"event_buffer_max_size={self.event_buffer_max_size!r} must be an int >= 0",
+        )
+        v2 = self.use_kv_cache_manager_v2
+        if isinstance(v2, bool):
+            object.__setattr__(self, "use_kv_cache_manager_v2", "true" if v2 else "false")
+        _require(
+            self.use_kv_cache_manager_v2 in ("auto", "true", "false"),
+            f"use_kv_cache_manager_v2={v2!r} must be 'auto', 'true' or 'false'",
+        )
+
+    def windows_for(self, num_layers: int, max_seq_len: int) -> tuple[int, ...]:
+        """Attention window of every layer: the list cycled to ``num_layers``, capped at max_seq_len."""
+        pattern = self.max_attention_window or (max_seq_len,)
+        return tuple(min(pattern[i % len(pattern)], max_seq_len) for i in range(num_layers))
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> KvCacheConfig:
+        return _from_mapping(cls, mapping, "kv_cache_config")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Step scheduling.
+
+    Attributes:
+      enable_prefix_aware_scheduling: defer a context request whose first chunk duplicates
+        one in flight, and charge only non-reused tokens to the budget (SPEC B10).
+      max_num_tokens: token budget of one engine step (prefill chunks + decode tokens).
+      max_batch_size: most sequences in one step.
+      prefill_chunk_size: longest prefill chunk of one request in one step (tokens).
+    """
+
+    enable_prefix_aware_scheduling: bool = True
+    max_num_tokens: int = 2048
+    max_batch_size: int = 8
+    prefill_chunk_size: int = 1024
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.enable_prefix_aware_scheduling, bool),
+            f"enable_prefix_aware_scheduling={self.enable_prefix_aware_scheduling!r} must be a bool",
+        )
+        for name in ("max_num_tokens", "max_batch_size", "prefill_chunk_size"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive int")
+        _require(
+            self.prefill_chunk_size <= self.max_num_tokens,
+            f"prefill_chunk_size={self.prefill_chunk_size} must be <= max_num_tokens={self.max_num_tokens}",
+        )
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> SchedulerConfig:
+        return _from_mapping(cls, mapping, "scheduler_config")
+
+
+def load_llm_config(source: Mapping[str, Any] | str) -> tuple[KvCacheConfig, SchedulerConfig]:
+    """Reads ``kv_cache_config`` and ``scheduler_config`` from a mapping or a YAML string.
+
+    >>> kv, sched = load_llm_config("kv_cache_config:\\n  enable_block_reuse: true\\n"
+    ...                             "scheduler_config:\\n  enable_prefix_aware_scheduling: false\\n")
+    >>> kv.enable_block_reuse, sched.enable_prefix_aware_scheduling
+    (True, False)
+    """
+    mapping = yaml.safe_load(source) if isinstance(source, str) else source
+    _require(isinstance(mapping, Mapping), f"config source must be a mapping, got {type(mapping).__name__}")
+    unknown = sorted(set(mapping) - {"kv_cache_config", "scheduler_config"})
+    _require(not unknown, f"unknown section(s) {unknown}; allowed: ['kv_cache_config', 'scheduler_config']")
+    kv = KvCacheConfig.from_dict(mapping.get("kv_cache_config") or {})
+    sched = SchedulerConfig.from_dict(mapping.get("scheduler_config") or {})
+    return kv, sched
+
+
+def as_retention_config(value: KvCacheRetentionConfig | Mapping[str, Any] | Sequence | None) -> KvCacheRetentionConfig:
+    """Normalises a retention config given as a dataclass, a mapping or None."""
+    if value is None:
+        return KvCacheRetentionConfig()
+    if isinstance(value, KvCacheRetentionConfig):
+        return value
+    _require(isinstance(value, Mapping), f"retention_config={value!r} must be a KvCacheRetentionConfig or a mapping")
+    return _from_mapping(KvCacheRetentionConfig, value, "retention_config")

@@ -1,0 +1,46 @@
+"""Plain-jnp reference of paged decode attention (one query token per sequence)."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.partial_attention.reference import partial_attention_ref
+
+
+def paged_attention_ref(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+) -> jax.Array:
+    """Decode attention: the newest token of each sequence attends over its pages.
+
+    Args:
+      q: [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
+      lengths: [num_seqs] int32, valid KV slots per sequence (the new token included);
+        a sequence of length 0 is padding and yields zeros.
+      page_indices: [num_seqs, pages_per_seq] int32.
+      sm_scale, sliding_window, logit_soft_cap: as in ``partial_attention_ref``.
+
+    Returns:
+      [num_seqs, num_heads, head_dim].
+    """
+    q_positions = (lengths - 1)[:, None]  # [s, 1]
+    out = partial_attention_ref(
+        q[:, None],
+        q_positions,
+        k_pages,
+        v_pages,
+        lengths,
+        page_indices,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+    )
+    return out[:, 0]

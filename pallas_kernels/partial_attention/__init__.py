@@ -1,0 +1,1 @@
+"""Partial-token (and chunked-prefill) attention: query rows at arbitrary absolute positions."""

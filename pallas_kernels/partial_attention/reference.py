@@ -1,0 +1,79 @@
+"""Plain-jnp reference of partial-token attention over a paged KV cache.
+
+Query rows sit at arbitrary absolute positions (CacheBlend's selected tokens plus the
+suffix, or one chunk of a chunked prefill). Masking is exact by position::
+
+    key visible  <=>  key_pos <= query_pos  and  key_pos < length
+                      and  query_pos - key_pos < sliding_window
+
+GQA/MQA are handled by reshaping the query heads into ``[num_kv_heads, group]``: the KV
+is never repeated in memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
+    """Gathers each sequence's pages into one contiguous run of slots.
+
+    Args:
+      pages: [num_pages, page_size, num_kv_heads, head_dim].
+      page_indices: [num_seqs, pages_per_seq] int32.
+
+    Returns:
+      [num_seqs, pages_per_seq * page_size, num_kv_heads, head_dim].
+    """
+    return rearrange(pages[page_indices], "s p t h d -> s (p t) h d")
+
+
+def partial_attention_ref(
+    q: jax.Array,
+    q_positions: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+) -> jax.Array:
+    """Attention of query rows at absolute positions over paged keys and values.
+
+    Args:
+      q: [num_seqs, num_queries, num_heads, head_dim].
+      q_positions: [num_seqs, num_queries] int32 absolute positions; a negative position
+        marks a padding row, whose output is zero.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
+      lengths: [num_seqs] int32, number of valid KV slots of each sequence.
+      page_indices: [num_seqs, pages_per_seq] int32, the block table.
+      sm_scale: scale applied to q·k.
+      sliding_window: a key is visible only if query_pos - key_pos < sliding_window.
+      logit_soft_cap: if set, logits become cap * tanh(logits / cap).
+
+    Returns:
+      [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
+    """
+    num_kv_heads = k_pages.shape[2]
+    k = gather_pages(k_pages, page_indices)  # [s, k, h, d]
+    v = gather_pages(v_pages, page_indices)  # [s, k, h, d]
+    qg = rearrange(q, "s q (h g) d -> s q h g d", h=num_kv_heads)
+    logits = jnp.einsum("sqhgd,skhd->shgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if logit_soft_cap is not None:
+        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+    key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :]  # [1, 1, k]
+    query_pos = q_positions[:, :, None]  # [s, q, 1]
+    visible = (key_pos <= query_pos) & (key_pos < lengths[:, None, None]) & (query_pos >= 0)
+    if sliding_window is not None:
+        visible &= query_pos - key_pos < sliding_window
+    logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)  # [s, h, g, q, k]
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(visible[:, None, None], probs, 0.0)
+    out = jnp.einsum("shgqk,skhd->sqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return rearrange(out, "s q h g d -> s q (h g) d").astype(q.dtype)
