@@ -63,6 +63,10 @@ def partial_attention_ref(
     num_kv_heads = k_pages.shape[2]
     k = gather_pages(k_pages, page_indices)  # [s, k, h, d]
     v = gather_pages(v_pages, page_indices)  # [s, k, h, d]
+    # Slots past a sequence's length may hold anything (the null page, stale or NaN data):
+    # zero them so that 0 * garbage cannot leak into the output.
+    in_length = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [s, k]
+    v = jnp.where(in_length[:, :, None, None], v, jnp.zeros((), v.dtype))
     qg = rearrange(q, "s q (h g) d -> s q h g d", h=num_kv_heads)
     logits = jnp.einsum("sqhgd,skhd->shgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
     if logit_soft_cap is not None:

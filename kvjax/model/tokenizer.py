@@ -1,0 +1,148 @@
+"""Tokenizers built from GGUF metadata with the ``tokenizers`` library, plus chat templates.
+
+``gpt2`` vocabularies (SmolLM2) become byte-level BPE with the pre-tokenizer llama.cpp
+names; ``llama`` vocabularies with scores (Gemma 3, SentencePiece) become a BPE whose merges
+are derived from the piece scores. Control tokens are registered as special tokens so
+``<|im_start|>`` and friends encode to one id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import gguf
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+from kvjax.model.gguf_loader import field_value
+
+_CONTROL = int(gguf.TokenType.CONTROL)
+_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclasses.dataclass
+class Tokenizer:
+    """Encodes text to ids and back; applies the model's chat template.
+
+    Attributes:
+      backend: the ``tokenizers.Tokenizer``.
+      bos_id, eos_ids: special ids.
+      add_bos: whether ``encode`` prepends BOS by default.
+      chat_format: "chatml" or None (base models have no chat template).
+      default_system: the template's default system prompt.
+    """
+
+    backend: tokenizers.Tokenizer
+    bos_id: int
+    eos_ids: tuple[int, ...]
+    add_bos: bool
+    chat_format: str | None
+    default_system: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if (self.add_bos if add_bos is None else add_bos) else ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Message | dict], *, add_generation_prompt: bool = True) -> str:
+        """Renders a conversation as the model expects it (ChatML for SmolLM2)."""
+        msgs = [m if isinstance(m, Message) else Message(**m) for m in messages]
+        if self.chat_format != "chatml":
+            raise ValueError(f"this model has no chat template (chat_format={self.chat_format!r}); encode plain text")
+        if self.default_system and (not msgs or msgs[0].role != "system"):
+            msgs = [Message("system", self.default_system), *msgs]
+        text = "".join(f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in msgs)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _special_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[tokenizers.AddedToken]:
+    return [
+        tokenizers.AddedToken(tok, special=True, normalized=False)
+        for tok, kind in zip(tokens, types)
+        if kind in (_CONTROL, _USER_DEFINED)
+    ]
+
+
+def _gpt2_backend(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = field_value(reader, "tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        # llama.cpp's "smollm" pre-tokenizer: every digit alone, then GPT-2's regex.
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _spm_backend(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
+    scores = list(field_value(reader, "tokenizer.ggml.scores"))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    # SentencePiece BPE merges: every split of a piece into two known pieces, ranked by the
+    # merged piece's score (higher score merges first).
+    merges: list[tuple[str, str, float]] = []
+    for piece, score, kind in zip(tokens, scores, types):
+        if kind in (_CONTROL, _USER_DEFINED) or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right, score))
+    merges.sort(key=lambda m: (-m[2], vocab[m[0] + m[1]]))
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], fuse_unk=True, byte_fallback=True,
+                   unk_token=tokens[int(field_value(reader, "tokenizer.ggml.unknown_token_id", 3))])
+    )
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
+    """Builds the tokenizer a GGUF file describes."""
+    tokens = [str(t) for t in field_value(reader, "tokenizer.ggml.tokens")]
+    types = [int(t) for t in field_value(reader, "tokenizer.ggml.token_type")]
+    kind = field_value(reader, "tokenizer.ggml.model")
+    if kind == "gpt2":
+        backend = _gpt2_backend(reader, tokens, types)
+    elif kind == "llama":
+        backend = _spm_backend(reader, tokens, types)
+    else:
+        raise ValueError(f"tokenizer.ggml.model={kind!r} is not supported; supported: 'gpt2', 'llama'")
+    backend.add_special_tokens(_special_tokens(tokens, types))
+    template = field_value(reader, "tokenizer.chat_template") or ""
+    chat_format = "chatml" if "<|im_start|>" in template else None
+    default_system = None
+    if chat_format == "chatml" and "You are a helpful AI assistant named SmolLM" in template:
+        default_system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    eos = int(field_value(reader, "tokenizer.ggml.eos_token_id", 2))
+    eos_ids = (eos,)
+    if chat_format == "chatml" and "<|im_end|>" in tokens:
+        eos_ids = tuple(dict.fromkeys((eos, tokens.index("<|im_end|>"))))
+    return Tokenizer(
+        backend=backend,
+        bos_id=int(field_value(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_ids=eos_ids,
+        add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_format=chat_format,
+        default_system=default_system,
+    )
