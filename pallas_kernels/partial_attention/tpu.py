@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.paged_attention.tuned_sizes import block_sizes
 from pallas_kernels.partial_attention import common
 
 InterpretArg = bool | pltpu.InterpretParams
@@ -123,8 +124,8 @@ def partial_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
-    block_q: int = 8,
-    pages_per_block: int = 4,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
     interpret: InterpretArg = False,
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV, on TPU.
@@ -140,8 +141,8 @@ def partial_attention(
       sm_scale: scale of q·k.
       sliding_window: None, or a key is visible only if query_pos - key_pos < window.
       logit_soft_cap: None, or logits become cap * tanh(logits / cap).
-      block_q: queries per grid step (rows = block_q * group).
-      pages_per_block: pages per DMA'd KV block.
+      block_q: queries per grid step (rows = block_q * group); None = tuned table.
+      pages_per_block: pages per DMA'd KV block; None = tuned table.
       interpret: False on TPU; True or ``pltpu.InterpretParams()`` to run on CPU.
 
     Returns:
@@ -151,12 +152,15 @@ def partial_attention(
         q, q_positions, k_pages, v_pages, lengths, page_indices,
         sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
     )
+    num_seqs, num_queries, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    tuned = block_sizes("tpu", "partial")
+    block_q = tuned.block_q if block_q is None else block_q
+    pages_per_block = tuned.pages_per_block(page_size) if pages_per_block is None else pages_per_block
     if block_q < 1:
         raise ValueError(f"{block_q=} must be >= 1")
     if pages_per_block < 1:
         raise ValueError(f"{pages_per_block=} must be >= 1")
-    num_seqs, num_queries, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     block_q = min(block_q, num_queries)
     num_query_blocks = pl.cdiv(num_queries, block_q)

@@ -1,0 +1,193 @@
+"""Paged decode attention: Pallas Triton GPU kernel with split-KV (flash-decoding).
+
+Grid ``(num_seqs, num_kv_heads, k_splits)``. A program takes the query heads of one KV head
+(padded to a power of two, at least 16 rows for ``tl.dot``) and one contiguous share of the
+sequence's block table, gathers ``pages_per_block`` pages per loop step from the pool and
+keeps an online softmax. The shares are merged afterwards by their log-sum-exp::
+
+    table[s]  |-- split 0 --|-- split 1 --|-- ... --|      each split: (acc, m, l)
+    out = sum_k exp(m_k - m) acc_k / sum_k exp(m_k - m) l_k,   m = max_k m_k
+
+Splitting keeps every SM busy at small batch; at large batch ``k_splits`` drops to 1.
+``page_size`` and ``head_dim`` must be powers of two (Triton tiles).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention.tuned_sizes import block_sizes
+from pallas_kernels.partial_attention import common
+from pallas_kernels.partial_attention.gpu import MIN_DOT_ROWS, check_gpu_shapes, is_power_of_two
+
+
+def _kernel(
+    q_ref,  # [rows, head_dim]
+    k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
+    v_pages_ref,  # [num_pages, page_size, head_dim]
+    page_indices_ref,  # [pages_per_split] int32, this split's share of the block table
+    lengths_ref,  # [1] int32
+    acc_ref,  # [rows, head_dim] float32, unnormalised numerator
+    m_ref,  # [rows] float32, running max
+    l_ref,  # [rows] float32, denominator
+    *,
+    pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+):
+    split = pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    pages_per_split = page_indices_ref.shape[0]
+    block_k = pages_per_block * page_size
+    split_start = split * pages_per_split * page_size
+    length = lengths_ref[0]
+    kv_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    first_block = jnp.maximum(kv_start - split_start, 0) // block_k
+    end_block = jnp.clip(pl.cdiv(length - split_start, block_k), first_block, pages_per_split // pages_per_block)
+    q = q_ref[...]
+    row_pos = jnp.full((rows, 1), length - 1, jnp.int32)
+
+    def body(kv_block, carry):
+        m, l, acc = carry
+        pages = page_indices_ref[pl.ds(kv_block * pages_per_block, pages_per_block)]  # [P]
+        k = k_pages_ref[pages].reshape(block_k, head_dim)
+        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        key_pos = split_start + kv_block * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
+        visible = common.visible_mask(row_pos, key_pos[None, :], length, sliding_window)
+        key_live = ((key_pos >= kv_start) & (key_pos < length))[:, None]
+        return common.softmax_step(
+            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap
+        )
+
+    init = (
+        jnp.full((rows, 1), common.MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+    m, l, acc = lax.fori_loop(first_block, end_block, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m.reshape(rows)
+    l_ref[...] = l.reshape(rows)
+
+
+def choose_k_splits(num_seqs: int, num_kv_heads: int, num_blocks: int, min_programs: int) -> int:
+    """Smallest power-of-two split count giving ``min_programs`` programs, at most ``num_blocks``."""
+    k_splits = 1
+    while num_seqs * num_kv_heads * k_splits < min_programs and 2 * k_splits <= num_blocks:
+        k_splits *= 2
+    return k_splits
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "sliding_window", "logit_soft_cap", "pages_per_block", "k_splits",
+        "num_warps", "num_stages", "interpret",
+    ),
+)
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    pages_per_block: int | None = None,
+    k_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention on GPU: the newest token of each sequence over its pages.
+
+    Args:
+      q: [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
+      lengths: [num_seqs] int32 valid KV slots (the new token included); 0 = padding, zeros out.
+      page_indices: [num_seqs, pages_per_seq] int32 block tables.
+      sm_scale, sliding_window, logit_soft_cap: as in ``paged_attention_ref``.
+      pages_per_block: pages gathered per loop step (power of two); None = tuned table.
+      k_splits: shares each table is split into (power of two); None = enough for
+        the tuned ``min_programs``.
+      num_warps, num_stages: Triton launch parameters; None = tuned table.
+      interpret: run on CPU with the Pallas interpreter.
+
+    Returns:
+      [num_seqs, num_heads, head_dim] in q's dtype.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_heads, head_dim]")
+    common.check_inputs(
+        q[:, None], lengths[:, None], k_pages, v_pages, lengths, page_indices,
+        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+    )
+    num_seqs, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    tuned = block_sizes("gpu", "decode")
+    if pages_per_block is None:
+        pages_per_block = min(tuned.pages_per_block(page_size), pl.next_power_of_2(pages_per_seq))
+    check_gpu_shapes(page_size, head_dim, pages_per_block)
+    num_blocks = pl.cdiv(pages_per_seq, pages_per_block)
+    if k_splits is None:
+        k_splits = choose_k_splits(num_seqs, num_kv_heads, num_blocks, tuned.min_programs)
+    if not is_power_of_two(k_splits):
+        raise ValueError(f"{k_splits=} must be a power of two")
+    pages_per_split = pl.next_power_of_2(pl.cdiv(num_blocks, k_splits)) * pages_per_block
+    group = num_heads // num_kv_heads
+    rows = max(pl.next_power_of_2(group), MIN_DOT_ROWS)
+
+    q_rows = common.to_rows(q[:, None], num_kv_heads, rows, 1)  # [s, h, rows, d]
+    table = common.pad_page_table(page_indices, k_splits * pages_per_split)
+    kernel = functools.partial(
+        _kernel,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+    )
+    partial_shape = (k_splits, num_seqs, num_kv_heads, rows)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, k_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, k: (0, 0, h, 0)),
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, k: (0, 0, h, 0)),
+            pl.BlockSpec((None, pages_per_split), lambda s, h, k: (s, k)),
+            pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (k, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages
+        ),
+        interpret=interpret,
+        name="paged_attention_gpu",
+    )(q_rows, k_pages, v_pages, table, lengths[:, None])
+
+    m_all = jnp.max(m, axis=0)  # [s, h, rows]
+    weight = jnp.exp(m - m_all)  # [k_splits, s, h, rows]
+    l_all = jnp.sum(weight * l, axis=0)[..., None]  # [s, h, rows, 1]
+    acc_all = jnp.sum(weight[..., None] * acc, axis=0)  # [s, h, rows, d]
+    out = common.finish(l_all, acc_all).astype(q.dtype)
+    return common.from_rows(out, 1, group, rows)[:, 0]

@@ -1,0 +1,67 @@
+"""Paged decode attention: Pallas TPU kernel.
+
+Decode is partial-token attention with one query row per sequence at ``length - 1``, so it
+runs the TPU kernel of ``pallas_kernels.partial_attention.tpu``: grid
+``(num_seqs, num_kv_heads, 1)``, the ``group`` query heads of a KV head as rows, block tables
+scalar-prefetched into SMEM and K/V pages DMA'd from HBM into a double-buffered VMEM scratch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_kernels.paged_attention.tuned_sizes import block_sizes
+from pallas_kernels.partial_attention import tpu as partial_tpu
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "pages_per_block", "interpret")
+)
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    pages_per_block: int | None = None,
+    interpret: partial_tpu.InterpretArg = False,
+) -> jax.Array:
+    """Decode attention on TPU: the newest token of each sequence over its pages.
+
+    Args:
+      q: [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], left in HBM.
+      lengths: [num_seqs] int32 valid KV slots (the new token included); 0 = padding, zeros out.
+      page_indices: [num_seqs, pages_per_seq] int32 block tables.
+      sm_scale, sliding_window, logit_soft_cap: as in ``paged_attention_ref``.
+      pages_per_block: pages per DMA'd KV block; None = tuned table.
+      interpret: False on TPU; True or ``pltpu.InterpretParams()`` to run on CPU.
+
+    Returns:
+      [num_seqs, num_heads, head_dim] in q's dtype.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_heads, head_dim]")
+    if pages_per_block is None:
+        pages_per_block = block_sizes("tpu", "decode").pages_per_block(k_pages.shape[1])
+    out = partial_tpu.partial_attention(
+        q[:, None],
+        (lengths - 1)[:, None],
+        k_pages,
+        v_pages,
+        lengths,
+        page_indices,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+        block_q=1,
+        pages_per_block=pages_per_block,
+        interpret=interpret,
+    )
+    return out[:, 0]

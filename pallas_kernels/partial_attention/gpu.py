@@ -1,0 +1,179 @@
+"""Partial-token attention over a paged KV cache: Pallas Triton GPU kernel.
+
+Grid ``(num_seqs, num_kv_heads, num_query_blocks)``; each program owns ``block_q`` queries
+times the (power-of-two padded) query heads of one KV head and loops over the KV blocks its
+rows can see, gathering ``pages_per_block`` pages per step straight from the pool through
+the block table. Triton wants power-of-two tensor sizes, so ``page_size`` and ``head_dim``
+must be powers of two; query heads per KV head are padded to one, and rows to at least 16
+(the smallest ``tl.dot``).
+
+Written for Pallas Triton (``pallas_call`` + ``plgpu.CompilerParams``) because it runs on
+CPU with ``interpret=True``; the Mosaic GPU interpreter cannot yet run a gather of pages.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention.tuned_sizes import block_sizes
+from pallas_kernels.partial_attention import common
+
+MIN_DOT_ROWS = 16
+
+
+def is_power_of_two(n: int) -> bool:
+    """True for 1, 2, 4, ..."""
+    return n >= 1 and n & (n - 1) == 0
+
+
+def check_gpu_shapes(page_size: int, head_dim: int, pages_per_block: int) -> None:
+    """Raises ValueError unless the sizes Triton tiles over are powers of two."""
+    for name, value in (("page_size", page_size), ("head_dim", head_dim), ("pages_per_block", pages_per_block)):
+        if not is_power_of_two(value):
+            raise ValueError(f"{name}={value} must be a power of two for the Triton GPU kernel")
+
+
+def _kernel(
+    q_ref,  # [block_rows, head_dim]
+    row_pos_ref,  # [block_rows] int32
+    k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
+    v_pages_ref,  # [num_pages, page_size, head_dim]
+    page_indices_ref,  # [pages_per_seq_pad] int32
+    lengths_ref,  # [1] int32
+    o_ref,  # [block_rows, head_dim]
+    *,
+    pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+):
+    block_rows, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    block_k = pages_per_block * page_size
+    length = lengths_ref[0]
+    q = q_ref[...]
+    row_pos = row_pos_ref[...]  # [block_rows]
+    kv_start, kv_end = common.kv_token_range(row_pos, length, sliding_window)
+    first_block = kv_start // block_k
+    end_block = jnp.where(kv_end > kv_start, pl.cdiv(kv_end, block_k), first_block)
+    row_pos = row_pos[:, None]  # [block_rows, 1]
+
+    def body(kv_block, carry):
+        m, l, acc = carry
+        pages = page_indices_ref[pl.ds(kv_block * pages_per_block, pages_per_block)]  # [P]
+        k = k_pages_ref[pages].reshape(block_k, head_dim)
+        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        key_pos = kv_block * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
+        visible = common.visible_mask(row_pos, key_pos[None, :], length, sliding_window)
+        key_live = ((key_pos >= kv_start) & (key_pos < kv_end))[:, None]
+        return common.softmax_step(
+            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap
+        )
+
+    init = (
+        jnp.full((block_rows, 1), common.MASK_VALUE, jnp.float32),
+        jnp.zeros((block_rows, 1), jnp.float32),
+        jnp.zeros((block_rows, head_dim), jnp.float32),
+    )
+    _, l, acc = lax.fori_loop(first_block, end_block, body, init)
+    o_ref[...] = common.finish(l, acc).astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "sliding_window", "logit_soft_cap", "block_q", "pages_per_block",
+        "num_warps", "num_stages", "interpret",
+    ),
+)
+def partial_attention(
+    q: jax.Array,
+    q_positions: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Query rows at absolute positions over paged KV, on GPU (Pallas Triton).
+
+    Args:
+      q: [num_seqs, num_queries, num_heads, head_dim].
+      q_positions: [num_seqs, num_queries] int32 absolute positions; negative = padding row.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
+      lengths: [num_seqs] int32 valid KV slots per sequence.
+      page_indices: [num_seqs, pages_per_seq] int32 block tables.
+      sm_scale, sliding_window, logit_soft_cap: as in ``partial_attention_ref``.
+      block_q: queries per program, a power of two; None = tuned table.
+      pages_per_block: pages gathered per loop step, a power of two; None = tuned table.
+      num_warps, num_stages: Triton launch parameters; None = tuned table.
+      interpret: run on CPU with the Pallas interpreter.
+
+    Returns:
+      [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
+    """
+    common.check_inputs(
+        q, q_positions, k_pages, v_pages, lengths, page_indices,
+        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+    )
+    num_seqs, num_queries, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    tuned = block_sizes("gpu", "partial")
+    block_q = tuned.block_q if block_q is None else block_q
+    if pages_per_block is None:
+        pages_per_block = min(tuned.pages_per_block(page_size), pl.next_power_of_2(page_indices.shape[1]))
+    check_gpu_shapes(page_size, head_dim, pages_per_block)
+    if not is_power_of_two(block_q):
+        raise ValueError(f"{block_q=} must be a power of two")
+    group = num_heads // num_kv_heads
+    group_pad = pl.next_power_of_2(group)
+    block_q = max(min(block_q, pl.next_power_of_2(num_queries)), pl.cdiv(MIN_DOT_ROWS, group_pad))
+    block_rows = block_q * group_pad
+    num_query_blocks = pl.cdiv(num_queries, block_q)
+    pages_per_seq_pad = pl.next_power_of_2(pl.cdiv(page_indices.shape[1], pages_per_block)) * pages_per_block
+
+    rows = common.to_rows(q, num_kv_heads, group_pad, num_query_blocks * block_q)  # [s, h, R, d]
+    row_pos = common.row_positions(q_positions, group_pad, num_query_blocks * block_q)  # [s, R]
+    table = common.pad_page_table(page_indices, pages_per_seq_pad)  # [s, pages_per_seq_pad]
+
+    kernel = functools.partial(
+        _kernel,
+        pages_per_block=pages_per_block,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_query_blocks),
+        in_specs=[
+            pl.BlockSpec((None, None, block_rows, head_dim), lambda s, h, b: (s, h, b, 0)),
+            pl.BlockSpec((None, block_rows), lambda s, h, b: (s, b)),
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, b: (0, 0, h, 0)),
+            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, b: (0, 0, h, 0)),
+            pl.BlockSpec((None, pages_per_seq_pad), lambda s, h, b: (s, 0)),
+            pl.BlockSpec((None, 1), lambda s, h, b: (s, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, block_rows, head_dim), lambda s, h, b: (s, h, b, 0)),
+        out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages
+        ),
+        interpret=interpret,
+        name="partial_attention_gpu",
+    )(rows, row_pos, k_pages, v_pages, table, lengths[:, None])
+    return common.from_rows(out, num_queries, group, group_pad)

@@ -1,0 +1,120 @@
+"""Random paged-attention inputs with poisoned (NaN) memory wherever a kernel must not look.
+
+Pools are tiny: page 0 plays the null page and a few spare pages are never referenced;
+all of them hold NaN. Each block table is a random permutation of real pages; entries
+past a sequence's length, and pages that lie wholly outside every query's window, point
+at the null page. Slots past the length inside a sequence's last page are NaN as well.
+The reference runs on a copy with NaN replaced by zeros (it needs no poison to be right),
+so any NaN in a kernel's output is a stray read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+NULL_PAGE = 0
+SPARE_PAGES = 2
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedInputs:
+    """One random problem.
+
+    Attributes:
+      q: [num_seqs, num_queries, num_heads, head_dim].
+      q_positions: [num_seqs, num_queries] int32 (negative = padding row).
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim] with NaN poison.
+      clean_k_pages, clean_v_pages: the same with the poison replaced by zeros.
+      lengths: [num_seqs] int32.
+      page_indices: [num_seqs, pages_per_seq] int32.
+    """
+
+    q: jnp.ndarray
+    q_positions: jnp.ndarray
+    k_pages: jnp.ndarray
+    v_pages: jnp.ndarray
+    clean_k_pages: jnp.ndarray
+    clean_v_pages: jnp.ndarray
+    lengths: jnp.ndarray
+    page_indices: jnp.ndarray
+
+
+def make_inputs(
+    seed: int,
+    *,
+    lengths: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    pages_per_seq: int,
+    head_dim: int = 16,
+    dtype=jnp.float32,
+    num_queries: int = 1,
+    chunked: bool = False,
+    sliding_window: int | None = None,
+) -> PagedInputs:
+    """Builds a problem; ``num_queries == 1`` and not ``chunked`` puts the query at length - 1.
+
+    Args:
+      seed: numpy seed.
+      lengths: valid slots per sequence (0 = padding sequence), each <= pages_per_seq * page_size.
+      num_heads, num_kv_heads, page_size, pages_per_seq, head_dim, dtype: geometry.
+      num_queries: query rows per sequence.
+      chunked: positions are the last ``num_queries`` slots (chunked prefill); otherwise a
+        random subset in random order with the newest token and some padding rows.
+      sliding_window: pages wholly outside every query's window are released to the null page.
+    """
+    rng = np.random.default_rng(seed)
+    num_seqs = len(lengths)
+    num_pages = 1 + num_seqs * pages_per_seq + SPARE_PAGES
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_pages = rng.standard_normal(shape).astype(np.float32)
+    v_pages = rng.standard_normal(shape).astype(np.float32)
+    poison = np.ones(shape[:2], bool)  # [num_pages, page_size]
+    owned = rng.permutation(np.arange(1, num_pages))[: num_seqs * pages_per_seq]
+    table = owned.reshape(num_seqs, pages_per_seq).astype(np.int32)
+    positions = np.full((num_seqs, num_queries), -1, np.int32)
+    for s, length in enumerate(lengths):
+        if length > 0 and chunked:
+            chunk = np.arange(max(length - num_queries, 0), length)
+            positions[s, : len(chunk)] = chunk
+        elif length > 0:
+            count = min(length, max(1, num_queries - 1))
+            picks = rng.choice(length - 1, size=count - 1, replace=False) if count > 1 else []
+            positions[s, :count] = rng.permutation(np.append(picks, length - 1))
+        valid = positions[s][positions[s] >= 0]
+        first_needed = 0
+        if sliding_window is not None and valid.size:
+            first_needed = max(int(valid.min()) - sliding_window + 1, 0)
+        for j in range(pages_per_seq):
+            slots = np.arange(j * page_size, (j + 1) * page_size)
+            if slots[0] >= length or slots[-1] < first_needed:
+                table[s, j] = NULL_PAGE
+            else:
+                poison[table[s, j]] = slots >= length
+    k_pages[poison] = np.nan
+    v_pages[poison] = np.nan
+    q = rng.standard_normal((num_seqs, num_queries, num_heads, head_dim)).astype(np.float32)
+    clean = lambda x: jnp.asarray(np.nan_to_num(x, nan=0.0), dtype)
+    return PagedInputs(
+        q=jnp.asarray(q, dtype),
+        q_positions=jnp.asarray(positions),
+        k_pages=jnp.asarray(k_pages, dtype),
+        v_pages=jnp.asarray(v_pages, dtype),
+        clean_k_pages=clean(k_pages),
+        clean_v_pages=clean(v_pages),
+        lengths=jnp.asarray(lengths, jnp.int32),
+        page_indices=jnp.asarray(table),
+    )
+
+
+def assert_close(actual: jnp.ndarray, expected: jnp.ndarray) -> None:
+    """No NaN, and equal within the dtype's tolerance (relative, with the same absolute floor)."""
+    actual32 = np.asarray(actual, np.float32)
+    assert not np.isnan(actual32).any(), "NaN leaked into the kernel output"
+    tol = TOLERANCE[jnp.dtype(actual.dtype).name]
+    np.testing.assert_allclose(actual32, np.asarray(expected, np.float32), rtol=tol, atol=tol)
