@@ -1,0 +1,53 @@
+"""``kvjax.attention`` picks the reference on CPU and runs either kernel when asked to interpret."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from kvjax import attention
+from paged_inputs import assert_close, make_inputs
+from pallas_kernels.paged_attention.reference import paged_attention_ref
+from pallas_kernels.partial_attention.reference import partial_attention_ref
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return make_inputs(1, lengths=[9, 1, 4], num_heads=4, num_kv_heads=2, page_size=4, pages_per_seq=3, num_queries=3)
+
+
+def test_auto_is_reference_on_cpu(inputs):
+    assert jax.default_backend() == "cpu"
+    args = (inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices)
+    jaxpr = str(jax.make_jaxpr(lambda *a: attention.partial_attention(*a, sm_scale=0.5))(*args))
+    assert "pallas_call" not in jaxpr
+    jaxpr = str(jax.make_jaxpr(lambda *a: attention.partial_attention(*a, sm_scale=0.5, impl="interpret"))(*args))
+    assert "pallas_call" in jaxpr
+
+
+@pytest.mark.parametrize("interpret_kernel", ["gpu", "tpu"])
+def test_interpret_matches_reference_under_jit(inputs, interpret_kernel):
+    options = dict(sm_scale=0.5, sliding_window=6, impl="interpret", interpret_kernel=interpret_kernel)
+    partial = jax.jit(lambda *a: attention.partial_attention(*a, **options))
+    decode = jax.jit(lambda *a: attention.paged_attention(*a, **options))
+    clean = (inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths, inputs.page_indices)
+    poisoned = (inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices)
+    assert_close(
+        partial(inputs.q, inputs.q_positions, *poisoned),
+        partial_attention_ref(inputs.q, inputs.q_positions, *clean, sm_scale=0.5, sliding_window=6),
+    )
+    q = inputs.q[:, 0]
+    assert_close(decode(q, *poisoned), paged_attention_ref(q, *clean, sm_scale=0.5, sliding_window=6))
+
+
+def test_rejects_unknown_impl(inputs):
+    with pytest.raises(ValueError, match="impl='triton' must be one of"):
+        attention.paged_attention(
+            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
+            sm_scale=1.0, impl="triton",
+        )
+    with pytest.raises(ValueError, match="interpret_kernel='mgpu' must be one of"):
+        attention.paged_attention(
+            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
+            sm_scale=1.0, impl="interpret", interpret_kernel="mgpu",
+        )

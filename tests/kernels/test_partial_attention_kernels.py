@@ -1,0 +1,133 @@
+"""Partial-token attention kernels (TPU and GPU, in interpret mode) against the XLA reference."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from paged_inputs import assert_close, make_inputs
+from pallas_kernels.partial_attention import gpu, tpu
+from pallas_kernels.partial_attention.reference import partial_attention_ref
+
+KERNELS = {
+    "tpu": functools.partial(tpu.partial_attention, interpret=pltpu.InterpretParams()),
+    "gpu": functools.partial(gpu.partial_attention, interpret=True),
+}
+HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]
+PAGES_PER_SEQ = 4
+
+
+def run_case(
+    kernel: str,
+    *,
+    seed: int,
+    page_size: int,
+    heads: tuple[int, int],
+    dtype=jnp.float32,
+    num_queries: int = 6,
+    chunked: bool = False,
+    lengths: list[int] | None = None,
+    **options,
+) -> None:
+    num_heads, num_kv_heads = heads
+    window = options.get("sliding_window")
+    if lengths is None:
+        lengths = [1, page_size, 2 * page_size + 1, PAGES_PER_SEQ * page_size, 0]
+    inputs = make_inputs(
+        seed, lengths=lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+        pages_per_seq=PAGES_PER_SEQ, dtype=dtype, num_queries=num_queries, chunked=chunked,
+        sliding_window=window,
+    )
+    sm_scale = inputs.q.shape[-1] ** -0.5
+    expected = partial_attention_ref(
+        inputs.q, inputs.q_positions, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
+        inputs.page_indices, sm_scale=sm_scale, sliding_window=window,
+        logit_soft_cap=options.get("logit_soft_cap"),
+    )
+    actual = KERNELS[kernel](
+        inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
+        sm_scale=sm_scale, **options,
+    )
+    assert actual.shape == inputs.q.shape and actual.dtype == inputs.q.dtype
+    padding_rows = np.asarray(inputs.q_positions) < 0
+    assert not np.asarray(actual, np.float32)[padding_rows].any(), "padding rows must be zero"
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize(
+    ("page_size", "heads", "dtype"),
+    list(itertools.product([4, 8], HEADS, [jnp.float32, jnp.bfloat16])),
+    ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
+)
+def test_scattered_rows_match_reference(kernel, page_size, heads, dtype):
+    run_case(kernel, seed=page_size * 100 + heads[0] * 10 + heads[1], page_size=page_size, heads=heads, dtype=dtype)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("num_queries", [1, 5, 16])
+def test_chunked_prefill(kernel, num_queries):
+    run_case(kernel, seed=num_queries, page_size=4, heads=(6, 3), num_queries=num_queries, chunked=True)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sliding_window": 1},
+        {"sliding_window": 3},
+        {"sliding_window": 6},
+        {"logit_soft_cap": 2.0},
+        {"sliding_window": 5, "logit_soft_cap": 2.0},
+    ],
+    ids=lambda options: "-".join(f"{key}={value}" for key, value in options.items()),
+)
+def test_window_and_soft_cap(kernel, options):
+    run_case(kernel, seed=5, page_size=4, heads=(8, 1), **options)
+
+
+@pytest.mark.parametrize(("kernel", "blocking"), [
+    ("tpu", {"block_q": 8, "pages_per_block": 1}),
+    ("tpu", {"block_q": 4, "pages_per_block": 3}),
+    ("gpu", {"block_q": 2, "pages_per_block": 1}),
+    ("gpu", {"block_q": 8, "pages_per_block": 4}),
+])
+def test_block_sizes(kernel, blocking):
+    run_case(kernel, seed=3, page_size=4, heads=(6, 3), num_queries=12, sliding_window=7, **blocking)
+
+
+def test_tpu_rejects_unaligned_row_blocks():
+    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=1, page_size=4, pages_per_seq=2, num_queries=4)
+    with pytest.raises(ValueError, match="block_q=2 times group=3 must be a multiple of 8"):
+        tpu.partial_attention(
+            inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
+            sm_scale=1.0, block_q=2, interpret=True,
+        )
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_rejects_bad_positions_dtype(kernel):
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, page_size=4, pages_per_seq=2, num_queries=2)
+    with pytest.raises(ValueError, match="q_positions.dtype=float32 must be int32"):
+        KERNELS[kernel](
+            inputs.q, inputs.q_positions.astype(jnp.float32), inputs.k_pages, inputs.v_pages, inputs.lengths,
+            inputs.page_indices, sm_scale=1.0,
+        )
+
+
+def test_tpu_interpreter_raises_on_out_of_bounds_page():
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, page_size=4, pages_per_seq=2, num_queries=2)
+    bad_table = inputs.page_indices.at[0, 0].set(inputs.k_pages.shape[0])
+    try:
+        with pytest.raises(Exception, match="(?i)out.of.bounds"):
+            tpu.partial_attention(
+                inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, bad_table,
+                sm_scale=1.0, interpret=pltpu.InterpretParams(),
+            ).block_until_ready()
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
