@@ -1,0 +1,352 @@
+"""The blocks of one layer group: device and host page pools, radix tree, eviction (B3-B7).
+
+Each layer group (one per distinct attention window) owns a ``BlockPool``; groups never
+share pages. A device page is in exactly one of three states::
+
+    free list ──allocate──► private block ──fills, committed──► tree block (ref > 0)
+        ▲                        │ dropped                          │ last ref dropped
+        └────────────────────────┴──────────◄── evicted ◄── tree block (ref 0, queued)
+
+Eviction rules and their reasons:
+
+* Only blocks with ``ref_count == 0`` are evictable: a block in use is never overwritten.
+* Full-attention groups evict **leaves before parents**. A block is a prefix of its
+  descendants, which are useless without it, so a device block is evictable only when no
+  child sits on the device, and a host block only when it has no children at all. Hence a
+  cached block's parent is always cached, and a device block's parent is on the device.
+  When a block is dropped instead of offloaded, its (host) descendants are dropped with it.
+* Windowed groups evict in plain priority-LRU order: a reuse there needs only the blocks
+  inside the window of the match end, so an old parent is worth less than its child.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+from kvjax.manager.eviction import EvictionQueue
+from kvjax.manager.events import EventBuffer, EventKind
+from kvjax.manager.hashing import BlockKey, HashedItem
+from kvjax.manager.radix_tree import Block, RadixTree
+from kvjax.manager.retention import ExpiryQueue
+from kvjax.manager.stats import CacheStats
+from kvjax.manager.tiers import PageOp, Tier, should_offload
+
+
+class BlockPool:
+    """Pages, tree and free-block queues of one layer group.
+
+    Args:
+      group: layer-group index; window: its attention window in tokens.
+      tree_rule: True for full-attention groups (leaves-before-parents eviction).
+      num_device_pages: device pool size, the null page included.
+      num_host_pages: host pool size (0 = no offload).
+      tokens_per_block: page size in tokens.
+      offload_min_priority: ``secondary_offload_min_priority``.
+      bytes_per_page: bytes moved by one page operation (0 = not counted).
+      ops, events, stats: shared with the manager (page-op queue, event buffer, counters).
+    """
+
+    def __init__(
+        self,
+        *,
+        group: int,
+        window: int,
+        tree_rule: bool,
+        num_device_pages: int,
+        num_host_pages: int,
+        tokens_per_block: int,
+        offload_min_priority: int,
+        bytes_per_page: int,
+        ops: list[PageOp],
+        events: EventBuffer,
+        stats: CacheStats,
+    ) -> None:
+        self.group = group
+        self.window = window
+        self.tree_rule = tree_rule
+        self.num_device_pages = num_device_pages
+        self.num_host_pages = num_host_pages
+        self.tokens_per_block = tokens_per_block
+        self.offload_min_priority = offload_min_priority
+        self.bytes_per_page = bytes_per_page
+        self.ops = ops
+        self.events = events
+        self.stats = stats
+        self.device_free: collections.deque[int] = collections.deque(range(1, num_device_pages))
+        self.host_free: collections.deque[int] = collections.deque(range(num_host_pages))
+        self.tree = RadixTree()
+        self.device_queue = EvictionQueue()
+        self.host_queue = EvictionQueue()
+        self.num_free_cached = 0
+        """Tree blocks on the device with ref_count 0 (all eventually evictable)."""
+        self.expiry = ExpiryQueue()
+        """Blocks whose retention priority expires."""
+
+    # ------------------------------------------------------------------ capacity
+
+    def num_available(self) -> int:
+        """Device pages that can be handed out now: free pages plus evictable cached blocks."""
+        return len(self.device_free) + self.num_free_cached
+
+    # ------------------------------------------------------------------ events
+
+    def emit(self, kind: EventKind, block: Block, *, with_tokens: bool = False) -> None:
+        if self.events.enabled:
+            self.events.append(
+                kind,
+                self.group,
+                self.window,
+                block_key=block.key,
+                parent_key=block.parent_key,
+                token_ids=block.token_ids if with_tokens else (),
+                priority=block.priority,
+                tier=block.tier.label,
+                mm_ids=tuple(it.label for it in block.items),
+            )
+
+    # ------------------------------------------------------------------ queue membership
+
+    def _evictable(self, block: Block) -> bool:
+        if block.ref_count or block.key is None:
+            return False
+        if not self.tree_rule:
+            return True
+        if block.tier is Tier.DEVICE:
+            return block.device_children == 0
+        return not self.tree.has_children(block.key)
+
+    def _queue(self, block: Block) -> EvictionQueue:
+        return self.device_queue if block.tier is Tier.DEVICE else self.host_queue
+
+    def requeue(self, block: Block) -> None:
+        """Brings the block's queue membership in line with its state."""
+        evictable = self._evictable(block)
+        queued = block.queue_serial >= 0
+        if evictable and not queued:
+            self._queue(block).push(block)
+        elif queued and not evictable:
+            self._queue(block).discard(block)
+
+    def _unqueue(self, block: Block) -> None:
+        if block.queue_serial >= 0:
+            self._queue(block).discard(block)
+
+    def _device_child_moved(self, block: Block, delta: int) -> None:
+        """Keeps the parent's ``device_children`` count (full groups only) and its queue entry."""
+        if not self.tree_rule:
+            return
+        parent = self.tree.get(block.parent_key)
+        if parent is not None:
+            parent.device_children += delta
+            self.requeue(parent)
+
+    # ------------------------------------------------------------------ references
+
+    def acquire(self, block: Block) -> None:
+        """Takes a reference. Sequences hold device blocks; a host block is referenced only
+        while it is being onboarded or copied (so nothing evicts it meanwhile)."""
+        if block.ref_count == 0 and block.key is not None:
+            if block.tier is Tier.DEVICE:
+                self.num_free_cached -= 1
+            self._unqueue(block)
+        block.ref_count += 1
+
+    def release(self, block: Block, tick: int | None) -> None:
+        """Drops a reference; ``tick`` is the LRU time of the release (None keeps the block's
+        place, for references taken only while copying from it)."""
+        block.ref_count -= 1
+        if block.ref_count:
+            return
+        if block.key is None:
+            self.device_free.append(block.page)
+            return
+        if tick is not None:
+            block.last_used = tick
+        if block.tier is Tier.DEVICE:
+            self.num_free_cached += 1
+        self.requeue(block)
+
+    def set_priority(self, block: Block, priority: int, expiry: float | None) -> bool:
+        """Sets priority and expiry; returns True (and emits "updated") when the priority changed."""
+        block.expiry = expiry
+        if block.priority == priority:
+            return False
+        queued = block.queue_serial >= 0
+        if queued:
+            self._queue(block).discard(block)
+        block.priority = priority
+        if queued:
+            self._queue(block).push(block)
+        self.emit("updated", block)
+        return True
+
+    # ------------------------------------------------------------------ allocation and eviction
+
+    def new_block(self) -> Block:
+        """A private device block on a fresh page (evicts if needed; caller checked capacity)."""
+        return Block(page=self.take_device_page())
+
+    def take_device_page(self) -> int:
+        if not self.device_free:
+            victim = self.device_queue.pop()
+            assert victim is not None, "no evictable device block; capacity was not checked"
+            self._evict_device(victim)
+        return self.device_free.popleft()
+
+    def _take_host_page(self) -> int | None:
+        """A free host page, evicting the host LRU victim if needed; None when every host
+        block is referenced (being onboarded)."""
+        if not self.host_free:
+            victim = self.host_queue.pop()
+            if victim is None:
+                return None
+            self.stats.host_evictions += 1
+            self._drop(victim)
+        return self.host_free.popleft()
+
+    def _evict_device(self, victim: Block) -> None:
+        """Offloads the victim to the host tier, or drops it (its page joins the free list)."""
+        self.stats.device_evictions += 1
+        host_page = None
+        if self.num_host_pages and should_offload(victim.priority, self.offload_min_priority):
+            host_page = self._take_host_page()
+        if host_page is None:
+            self._drop(victim)
+            return
+        self.ops.append(PageOp("offload", self.group, victim.page, host_page, self.tokens_per_block))
+        self.stats.offloaded_pages += 1
+        self.stats.offloaded_bytes += self.bytes_per_page
+        self.device_free.append(victim.page)
+        self.num_free_cached -= 1
+        victim.tier, victim.page = Tier.HOST, host_page
+        self.requeue(victim)
+        self._device_child_moved(victim, -1)
+        self.emit("updated", victim)
+
+    def _subtree_postorder(self, block: Block) -> Iterator[Block]:
+        """``block`` and its cached descendants, children before parents (no recursion)."""
+        stack = [(block, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                yield node
+                continue
+            stack.append((node, True))
+            if self.tree_rule:
+                stack.extend((child, False) for child in self.tree.children(node.key).values())
+
+    def _drop(self, block: Block) -> None:
+        """Removes an unreferenced tree block (and, in full groups, its subtree) from the cache."""
+        for node in list(self._subtree_postorder(block)):
+            self._unqueue(node)
+            self.emit("removed", node)
+            on_device = node.tier is Tier.DEVICE
+            self.tree.remove(node)
+            if on_device:
+                self.num_free_cached -= 1
+                self.device_free.append(node.page)
+                self._device_child_moved(node, -1)
+            else:
+                self.host_free.append(node.page)
+                parent = self.tree.get(node.parent_key)
+                if parent is not None and self.tree_rule:
+                    self.requeue(parent)
+
+    def onboard(self, block: Block) -> None:
+        """Moves a host tree block to a fresh device page (queues an "onboard" op)."""
+        assert block.tier is Tier.HOST
+        self._unqueue(block)
+        page = self.take_device_page()
+        self.ops.append(PageOp("onboard", self.group, block.page, page, self.tokens_per_block))
+        self.stats.onboarded_pages += 1
+        self.stats.onboarded_bytes += self.bytes_per_page
+        self.host_free.append(block.page)
+        block.tier, block.page = Tier.DEVICE, page
+        if block.ref_count == 0:
+            self.num_free_cached += 1
+        self._device_child_moved(block, +1)
+        self.requeue(block)
+        self.emit("updated", block)
+
+    def copy_prefix(self, source: Block, num_tokens: int) -> Block:
+        """A private block holding the first ``num_tokens`` tokens of ``source`` (partial reuse).
+
+        The caller holds a reference on the source so that finding the destination page
+        cannot evict it and the copy (or onboard, for a host source) reads the right page.
+        """
+        assert source.ref_count > 0, "acquire the source first"
+        block = self.new_block()
+        if source.tier is Tier.DEVICE:
+            self.ops.append(PageOp("copy", self.group, source.page, block.page, num_tokens))
+            self.stats.copied_pages += 1
+            self.stats.copied_bytes += self.bytes_per_page
+        else:
+            self.ops.append(PageOp("onboard", self.group, source.page, block.page, num_tokens))
+            self.stats.onboarded_pages += 1
+            self.stats.onboarded_bytes += self.bytes_per_page
+        return block
+
+    def can_take_in_place(self, block: Block) -> bool:
+        """Whether a partially matched block may be reused in place (no copy): on the device,
+        no other holder, and no cached children (taking it must not cut the tree)."""
+        return block.tier is Tier.DEVICE and block.ref_count == 0 and not self.tree.has_children(block.key)
+
+    def take_in_place(self, block: Block) -> None:
+        """Removes a leaf that only the caller references (one reference, taken for this) from
+        the tree: it becomes that sequence's private block, to be overwritten past the match."""
+        assert block.ref_count == 1 and block.tier is Tier.DEVICE and not self.tree.has_children(block.key)
+        self.emit("removed", block)
+        self.tree.remove(block)
+        self._device_child_moved(block, -1)
+
+    # ------------------------------------------------------------------ storing
+
+    def store(
+        self,
+        block: Block,
+        key: BlockKey,
+        parent_key: BlockKey,
+        token_ids: tuple[int, ...],
+        items: tuple[HashedItem, ...],
+        priority: int,
+        expiry: float | None,
+    ) -> Block:
+        """Inserts a full private block held by one sequence; returns the block it should hold.
+
+        If the key is cached already, the identical cached block wins: on the device the
+        sequence switches to it and the private page is freed; on the host the private block
+        replaces it (an onboard without a copy) and the host page is freed. Either way one key
+        has one block and the sequence's chain stays in the tree.
+        """
+        assert block.key is None and block.ref_count == 1 and block.tier is Tier.DEVICE
+        cached = self.tree.get(key)
+        if cached is not None and cached.tier is Tier.DEVICE:
+            self.acquire(cached)
+            self.set_priority(cached, priority, expiry)
+            block.ref_count = 0
+            self.device_free.append(block.page)
+            return cached
+        block.priority, block.expiry = priority, expiry
+        if cached is not None:
+            self._unqueue(cached)
+            self.host_free.append(cached.page)
+            self.tree.replace(cached, block)
+            block.device_children = 0
+            self.emit("updated", block)
+        else:
+            self.tree.insert(block, key, parent_key, token_ids, items)
+            self.stats.stored_blocks += 1
+            self.emit("stored", block, with_tokens=True)
+        self._device_child_moved(block, +1)
+        return block
+
+    def clear(self) -> None:
+        """Forgets every cached block of both tiers; no block may be referenced (nothing is copied)."""
+        assert all(b.ref_count == 0 for b in self.tree.blocks.values()), "clear() with blocks in use"
+        self.device_free = collections.deque(range(1, self.num_device_pages))
+        self.host_free = collections.deque(range(self.num_host_pages))
+        self.tree = RadixTree()
+        self.device_queue = EvictionQueue()
+        self.host_queue = EvictionQueue()
+        self.num_free_cached = 0

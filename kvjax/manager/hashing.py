@@ -1,0 +1,155 @@
+"""Block keys (SPEC B1) and multimodal content hashes (SPEC B9).
+
+A full block's key chains from its parent's key, so one key names a whole prefix::
+
+    root  = BLAKE3("kvjax-root" || len(salt) || salt || lora_id)
+    key_i = BLAKE3(key_{i-1} || token ids as int32 little-endian || extra keys of block i)
+
+``cache_salt`` and the LoRA id enter through the root, so requests of different tenants or
+adapters never share a single block. Extra keys are the multimodal items that overlap the
+block: each contributes its content hash and its token span. Keys are full 32-byte digests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Sequence
+
+import blake3
+
+BlockKey = bytes
+"""A 32-byte BLAKE3 digest naming a block and, through the chain, its whole prefix."""
+
+KEY_BYTES = 32
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids are hashed as int32, so they must lie in [0, MAX_TOKEN_ID]."""
+
+_ROOT_DOMAIN = b"kvjax-root\x00"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MultimodalItem:
+    """A multimodal input occupying the placeholder tokens ``[offset, offset + length)``.
+
+    Attributes:
+      modality: "image", "video", "audio", ... (any non-empty string).
+      content: the raw bytes of the item (pixels, encoded file, ...).
+      offset: index of the first placeholder token in the prompt, >= 0.
+      length: number of placeholder tokens, >= 1.
+      uuid: a user identifier; None falls back to the content hash (SPEC B9).
+    """
+
+    modality: str
+    content: bytes
+    offset: int
+    length: int
+    uuid: str | None = None
+
+    def validate(self, prompt_len: int, index: int) -> None:
+        """Raises ValueError naming the field when the item does not fit a prompt of ``prompt_len`` tokens."""
+        where = f"mm_items[{index}]"
+        if not isinstance(self.modality, str) or not self.modality:
+            raise ValueError(f"{where}.modality={self.modality!r} must be a non-empty string")
+        if not isinstance(self.content, (bytes, bytearray, memoryview)):
+            raise ValueError(f"{where}.content must be bytes, got {type(self.content).__name__}")
+        if self.uuid is not None and not isinstance(self.uuid, str):
+            raise ValueError(f"{where}.uuid={self.uuid!r} must be a string or None")
+        if not isinstance(self.offset, int) or not isinstance(self.length, int) or self.length < 1 or self.offset < 0:
+            raise ValueError(f"{where}: offset={self.offset!r} must be an int >= 0 and length={self.length!r} an int >= 1")
+        if self.offset + self.length > prompt_len:
+            raise ValueError(
+                f"{where}: span [{self.offset}, {self.offset + self.length}) must lie inside the prompt "
+                f"[0, {prompt_len})"
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HashedItem:
+    """A multimodal item reduced to what block keys and events need."""
+
+    offset: int
+    length: int
+    digest: bytes
+    label: str
+    """The user's UUID where given, else the hex content hash (what events report)."""
+
+
+def mm_hash(item: MultimodalItem) -> bytes:
+    """Content hash of a multimodal item, 32 bytes.
+
+    BLAKE3(content) without a UUID; BLAKE3(len(uuid) || uuid || content) with one. The UUID is
+    length-prefixed (u32 little-endian) so ("ab", b"c") and ("a", b"bc") hash differently: same
+    UUID with different content and same content with different UUIDs both give new entries.
+    """
+    hasher = blake3.blake3()
+    if item.uuid is not None:
+        uuid = item.uuid.encode("utf-8")
+        hasher.update(struct.pack("<I", len(uuid)))
+        hasher.update(uuid)
+    hasher.update(bytes(item.content))
+    return hasher.digest()
+
+
+def hash_items(items: Sequence[MultimodalItem], prompt_len: int) -> tuple[HashedItem, ...]:
+    """Validates items against the prompt and hashes them, sorted by offset.
+
+    Raises:
+      ValueError: an item is malformed, outside the prompt, or overlaps another item.
+    """
+    for i, item in enumerate(items):
+        if not isinstance(item, MultimodalItem):
+            raise ValueError(f"mm_items[{i}] must be a MultimodalItem, got {type(item).__name__}")
+        item.validate(prompt_len, i)
+    ordered = sorted(items, key=lambda it: it.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + a.length > b.offset:
+            raise ValueError(
+                f"mm_items spans [{a.offset}, {a.offset + a.length}) and [{b.offset}, {b.offset + b.length}) "
+                "overlap; placeholder spans must be disjoint"
+            )
+    hashed = []
+    for item in ordered:
+        digest = mm_hash(item)
+        hashed.append(HashedItem(item.offset, item.length, digest, item.uuid if item.uuid is not None else digest.hex()))
+    return tuple(hashed)
+
+
+def root_key(cache_salt: str | None, lora_id: int | None) -> BlockKey:
+    """Parent key of a request's first block: mixes in the tenant salt and the adapter id."""
+    hasher = blake3.blake3(_ROOT_DOMAIN)
+    salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
+    hasher.update(struct.pack("<?I", cache_salt is not None, len(salt)))
+    hasher.update(salt)
+    hasher.update(struct.pack("<?q", lora_id is not None, -1 if lora_id is None else lora_id))
+    return hasher.digest()
+
+
+def items_in(items: tuple[HashedItem, ...], start: int, end: int) -> tuple[HashedItem, ...]:
+    """The items whose span overlaps the token range ``[start, end)``."""
+    return tuple(it for it in items if it.offset < end and it.offset + it.length > start)
+
+
+def block_key(parent: BlockKey, token_ids: Sequence[int], extra: tuple[HashedItem, ...]) -> BlockKey:
+    """Key of a full block.
+
+    Args:
+      parent: key of the previous block, or the request root for block 0.
+      token_ids: the block's tokens (tokens_per_block of them), each in [0, MAX_TOKEN_ID].
+      extra: multimodal items overlapping the block (see :func:`items_in`).
+    """
+    hasher = blake3.blake3(parent)
+    hasher.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    for it in extra:
+        hasher.update(it.digest)
+        hasher.update(struct.pack("<qq", it.offset, it.length))
+    return hasher.digest()
+
+
+def check_token_ids(token_ids: Sequence[int], field: str) -> tuple[int, ...]:
+    """Returns the ids (a sequence or a numpy array) as a tuple of ints, or raises ValueError naming ``field`` and the allowed range."""
+    ids = tuple(token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"{field}[{i}]={t!r} must be an int token id in [0, {MAX_TOKEN_ID}]")
+    return ids

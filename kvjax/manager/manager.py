@@ -1,0 +1,654 @@
+"""``KVCacheManager``: host-side bookkeeping of the paged KV cache with cross-request reuse.
+
+The manager decides which page holds which tokens; it never touches KV values. Per step the
+engine calls ``allocate``, executes ``take_page_ops()`` in order, runs the forward pass over
+``block_table(...)`` and reports written tokens with ``commit_tokens``.
+
+Token regions of one sequence (``page_size`` = ``tokens_per_block``)::
+
+    |<------------- committed (KV written) ------------->|<-- allocated, not committed -->|
+    |<- full blocks: keyed, in the tree ->|<- private ->|   (chunk being computed, drafts)
+    0                                     k*page_size    n                               num_allocated
+
+Reuse (``add_request``) finds the longest prefix whose blocks are cached in *every* layer
+group, at most ``len(prompt) - 1`` tokens so the last prompt token is always computed and
+yields logits. A full-attention group needs every block of the prefix; a windowed group needs
+only the blocks inside the window of the prefix end, because a token at position p attends to
+positions ``(p - window, p]``. Blocks entirely before that window are released as the
+sequence grows (SPEC B7) and show ``NULL_PAGE`` in the block table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+from kvjax.config import DEFAULT_PRIORITY, KvCacheConfig, KvCacheRetentionConfig, as_retention_config
+from kvjax.manager.block_pool import BlockPool
+from kvjax.manager.events import EventBuffer, KVCacheEvent
+from kvjax.manager.hashing import (
+    BlockKey,
+    HashedItem,
+    MultimodalItem,
+    block_key,
+    check_token_ids,
+    hash_items,
+    items_in,
+    root_key,
+)
+from kvjax.manager.radix_tree import Block
+from kvjax.manager.retention import block_priority
+from kvjax.manager.stats import CacheStats, RequestStats
+from kvjax.manager.tiers import NULL_PAGE, PageOp, Tier
+
+
+class OutOfPagesError(RuntimeError):
+    """A layer group's device pool cannot provide the pages a call needs (state unchanged)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Sequence:
+    """Host state of one request.
+
+    Attributes:
+      prompt: prompt token ids.
+      tokens: committed token ids (prompt prefix, then generated), KV written.
+      num_allocated: tokens with a cache slot (committed + in flight, e.g. drafts).
+      prompt_keys: keys of the full prompt blocks (computed once at add_request).
+      keys: keys of the committed full blocks, in order.
+      blocks: per group, one entry per block index; None = released or never held.
+      first_held: per group, blocks below this index are released (outside the window).
+    """
+
+    request_id: str
+    prompt: tuple[int, ...]
+    retention: KvCacheRetentionConfig
+    cache_salt: str | None
+    lora_id: int | None
+    items: tuple[HashedItem, ...]
+    root: BlockKey
+    prompt_keys: list[BlockKey]
+    tokens: list[int]
+    num_allocated: int
+    keys: list[BlockKey]
+    blocks: list[list[Block | None]]
+    first_held: list[int]
+    stats: RequestStats
+
+
+@dataclasses.dataclass(slots=True)
+class _GroupPlan:
+    first: int
+    """First block index held (blocks before it are outside the window)."""
+    held: list[Block]
+    """Tree blocks ``first .. first + len(held) - 1`` to take a reference on."""
+    source: Block | None = None
+    """Block whose leading tokens fill the partial last block (None: no partial block here)."""
+    in_place: bool = False
+    """Take ``source`` itself instead of copying it (copy_on_partial_reuse off)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    num_tokens: int
+    num_full_blocks: int
+    partial_tokens: int
+    groups: list[_GroupPlan]
+
+
+class KVCacheManager:
+    """Paged KV cache bookkeeping with radix-tree reuse, priority-LRU eviction and host offload.
+
+    Args:
+      config: the cache configuration (reuse, partial reuse, offload threshold, events, ...).
+      layer_windows: attention window of every layer in tokens (``config.windows_for``);
+        a window >= max_seq_len is full attention.
+      num_device_pages: pages per layer-group device pool, ``NULL_PAGE`` included.
+      num_host_pages: pages per layer-group host pool (0 = no offload).
+      max_seq_len: longest sequence (prompt + generated) in tokens.
+      bytes_per_page: bytes of one page per group (one int for all groups); only counted.
+      clock: seconds, monotonic; drives retention durations (inject a fake one in tests).
+    """
+
+    def __init__(
+        self,
+        config: KvCacheConfig,
+        *,
+        layer_windows: Sequence[int],
+        num_device_pages: int,
+        num_host_pages: int = 0,
+        max_seq_len: int,
+        bytes_per_page: int | Sequence[int] = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(config, KvCacheConfig):
+            raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
+        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive int (tokens)")
+        windows = tuple(layer_windows)
+        if not windows or not all(isinstance(w, int) and w > 0 for w in windows):
+            raise ValueError(f"layer_windows={windows!r} must be a non-empty sequence of positive ints (tokens)")
+        if not isinstance(num_device_pages, int) or num_device_pages < 2:
+            raise ValueError(
+                f"num_device_pages={num_device_pages!r} must be an int >= 2 (page {NULL_PAGE} is the null page)"
+            )
+        if not isinstance(num_host_pages, int) or num_host_pages < 0:
+            raise ValueError(f"num_host_pages={num_host_pages!r} must be an int >= 0")
+        if num_host_pages and not config.host_cache_size:
+            raise ValueError(
+                f"num_host_pages={num_host_pages} but config.host_cache_size=0 disables offload; "
+                "derive num_host_pages from host_cache_size"
+            )
+        self.config = config
+        self.layer_windows = windows
+        self.max_seq_len = max_seq_len
+        self.num_device_pages = num_device_pages
+        self.num_host_pages = num_host_pages
+        self.page_size = config.tokens_per_block
+        self.group_windows: tuple[int, ...] = tuple(dict.fromkeys(min(w, max_seq_len) for w in windows))
+        """Distinct windows in order of first appearance; group g holds the layers of window g."""
+        self.layer_groups: tuple[int, ...] = tuple(self.group_windows.index(min(w, max_seq_len)) for w in windows)
+        """Group of every layer."""
+        per_group = (
+            (bytes_per_page,) * len(self.group_windows) if isinstance(bytes_per_page, int) else tuple(bytes_per_page)
+        )
+        if len(per_group) != len(self.group_windows) or not all(isinstance(b, int) and b >= 0 for b in per_group):
+            raise ValueError(
+                f"bytes_per_page={bytes_per_page!r} must be an int >= 0 or one per group "
+                f"({len(self.group_windows)} groups)"
+            )
+        self.bytes_per_page = per_group
+        self.clock = clock
+        self._ops: list[PageOp] = []
+        self._events = EventBuffer(config.event_buffer_max_size)
+        self._stats = CacheStats()
+        self._tick = 0
+        self._sequences: dict[str, _Sequence] = {}
+        self.pools = tuple(
+            BlockPool(
+                group=g,
+                window=w,
+                tree_rule=w >= max_seq_len,
+                num_device_pages=num_device_pages,
+                num_host_pages=num_host_pages,
+                tokens_per_block=self.page_size,
+                offload_min_priority=config.secondary_offload_min_priority,
+                bytes_per_page=per_group[g],
+                ops=self._ops,
+                events=self._events,
+                stats=self._stats,
+            )
+            for g, w in enumerate(self.group_windows)
+        )
+
+    # ================================================================== queries
+
+    @property
+    def stats(self) -> CacheStats:
+        """Cumulative counters (live object)."""
+        return self._stats
+
+    @property
+    def num_dropped_events(self) -> int:
+        """Events lost because the buffer was full."""
+        return self._events.num_dropped
+
+    def request_stats(self, request_id: str) -> RequestStats:
+        return self._seq(request_id).stats
+
+    def request_ids(self) -> list[str]:
+        return list(self._sequences)
+
+    def num_free_pages(self, group: int) -> int:
+        """Device pages of ``group`` that can be handed out now: free pages plus cached blocks
+        no request holds (evicted on demand)."""
+        return self._pool(group).num_available()
+
+    def num_cached_blocks(self, group: int, tier: str = "device") -> int:
+        """Tree blocks of ``group`` on ``tier`` ("device" or "host")."""
+        want = Tier[tier.upper()]
+        return sum(1 for b in self._pool(group).tree.blocks.values() if b.tier is want)
+
+    def num_tokens(self, request_id: str) -> int:
+        """Committed tokens of a request (reused prefix included)."""
+        return len(self._seq(request_id).tokens)
+
+    def block_table(self, request_id: str, group: int) -> list[int]:
+        """Device page ids of the request in ``group``, one per block; NULL_PAGE for blocks
+        released outside a window."""
+        pool = self._pool(group)
+        return [NULL_PAGE if b is None else b.page for b in self._seq(request_id).blocks[pool.group]]
+
+    def take_page_ops(self) -> list[PageOp]:
+        """Drains the queued page operations; execute them in order before the next forward."""
+        ops = self._ops[:]
+        self._ops.clear()
+        return ops
+
+    def get_kv_cache_events(self) -> list[KVCacheEvent]:
+        """Drains the event buffer (empty when event_buffer_max_size is 0)."""
+        return self._events.drain()
+
+    def estimate_reusable_tokens(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> int:
+        """Tokens ``add_request`` would reuse right now (no side effects)."""
+        prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
+        return self._plan(prompt, self._prompt_keys(prompt, items, root), root, items).num_tokens
+
+    def first_block_key(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> BlockKey | None:
+        """Key of the prompt's first full block (None if the prompt is shorter than a block)."""
+        prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
+        if len(prompt) < self.page_size:
+            return None
+        return block_key(root, prompt[: self.page_size], items_in(items, 0, self.page_size))
+
+    # ================================================================== request life cycle
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        retention: KvCacheRetentionConfig | None = None,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> int:
+        """Registers a request and reserves its reusable prefix; returns the reused token count.
+
+        Host blocks of the prefix are onboarded and a partially matching last block is copied
+        (page ops queued). If a group lacks the pages for that, the request starts without
+        reuse rather than failing.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        if request_id in self._sequences:
+            raise ValueError(f"request_id={request_id!r} is already active; free it first or pick a new id")
+        retention = as_retention_config(retention)
+        prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
+        self._expire()
+        keys = self._prompt_keys(prompt, items, root)
+        plan = self._plan(prompt, keys, root, items)
+        if not self._fits(plan):
+            plan = _Plan(0, 0, 0, [_GroupPlan(0, []) for _ in self.pools])
+        stats = RequestStats(
+            prompt_tokens=len(prompt),
+            reused_tokens=plan.num_tokens,
+            prompt_blocks=len(prompt) // self.page_size,
+            reused_blocks=plan.num_full_blocks,
+        )
+        seq = _Sequence(
+            request_id=request_id,
+            prompt=prompt,
+            retention=retention,
+            cache_salt=cache_salt,
+            lora_id=lora_id,
+            items=items,
+            root=root,
+            prompt_keys=keys,
+            tokens=list(prompt[: plan.num_tokens]),
+            num_allocated=plan.num_tokens,
+            keys=keys[: plan.num_full_blocks],
+            blocks=[],
+            first_held=[],
+            stats=stats,
+        )
+        onboarded, copied = self._stats.onboarded_pages, self._stats.copied_pages
+        now = self.clock()
+        for pool, gp in zip(self.pools, plan.groups):
+            seq.blocks.append(self._reserve(pool, gp, plan, seq, now))
+            seq.first_held.append(gp.first)
+        stats.onboarded_pages = self._stats.onboarded_pages - onboarded
+        stats.copied_pages = self._stats.copied_pages - copied
+        self._stats.add_request(stats)
+        self._sequences[request_id] = seq
+        return plan.num_tokens
+
+    def allocate(self, request_id: str, num_total_tokens: int) -> None:
+        """Makes sure the request has a cache slot for each of its first ``num_total_tokens`` tokens.
+
+        Raises:
+          OutOfPagesError: a group lacks free or evictable pages (nothing changed).
+        """
+        seq = self._seq(request_id)
+        if not isinstance(num_total_tokens, int) or not 0 <= num_total_tokens <= self.max_seq_len:
+            raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
+        if num_total_tokens <= seq.num_allocated:
+            return
+        self._expire()
+        num_blocks = -(-num_total_tokens // self.page_size)
+        for pool, blocks in zip(self.pools, seq.blocks):
+            need = num_blocks - len(blocks)
+            if need > pool.num_available():
+                raise OutOfPagesError(
+                    f"request {request_id!r} needs {need} more page(s) in layer group {pool.group} "
+                    f"(window {pool.window}) for num_total_tokens={num_total_tokens}, but only "
+                    f"{pool.num_available()} of {self.num_device_pages - 1} are free or evictable; "
+                    "free or preempt a request, or give the cache more pages"
+                )
+        for pool, blocks in zip(self.pools, seq.blocks):
+            while len(blocks) < num_blocks:
+                block = pool.new_block()
+                block.ref_count = 1
+                blocks.append(block)
+        seq.num_allocated = num_total_tokens
+
+    def commit_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Records that these tokens' KV is written (a prompt chunk or generated tokens).
+
+        Each block that becomes full is keyed and inserted into the tree of every group that
+        still holds it (event "stored"); windowed groups then release blocks that fell out of
+        the window.
+        """
+        seq = self._seq(request_id)
+        tokens = check_token_ids(token_ids, "token_ids")
+        n0 = len(seq.tokens)
+        n1 = n0 + len(tokens)
+        if n1 > seq.num_allocated:
+            raise ValueError(
+                f"committing {len(tokens)} token(s) to request {request_id!r} would reach {n1} tokens, but only "
+                f"{seq.num_allocated} have slots; call allocate(request_id, {n1}) first"
+            )
+        prompt_part = seq.prompt[n0 : min(n1, len(seq.prompt))]
+        if tokens[: len(prompt_part)] != prompt_part:
+            bad = next(i for i, (a, b) in enumerate(zip(tokens, prompt_part)) if a != b)
+            raise ValueError(
+                f"token_ids[{bad}]={tokens[bad]} differs from prompt token {prompt_part[bad]} at position {n0 + bad}; "
+                "prompt chunks must be committed in order"
+            )
+        self._expire()
+        seq.tokens.extend(tokens)
+        if self.config.enable_block_reuse:
+            now = self.clock()
+            ps = self.page_size
+            for b in range(n0 // ps, n1 // ps):
+                self._store_block(seq, b, now)
+        for pool, blocks, g in zip(self.pools, seq.blocks, range(len(self.pools))):
+            first = min(self._first_in_window(pool, n1), len(blocks))
+            for b in range(seq.first_held[g], first):
+                if blocks[b] is not None:
+                    self._tick += 1
+                    pool.release(blocks[b], self._tick)
+                    blocks[b] = None
+            seq.first_held[g] = max(seq.first_held[g], first)
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Drops the slots of the last ``num_tokens`` uncommitted tokens (rejected drafts, B11).
+
+        Only committed tokens ever enter reusable blocks, so nothing cached changes; pages
+        that no longer hold any slot are freed.
+        """
+        seq = self._seq(request_id)
+        pending = seq.num_allocated - len(seq.tokens)
+        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= pending:
+            raise ValueError(
+                f"num_tokens={num_tokens!r} must be an int in [0, {pending}] (uncommitted slots of {request_id!r})"
+            )
+        seq.num_allocated -= num_tokens
+        num_blocks = -(-seq.num_allocated // self.page_size)
+        for pool, blocks in zip(self.pools, seq.blocks):
+            while len(blocks) > num_blocks:
+                block = blocks.pop()
+                self._tick += 1
+                pool.release(block, self._tick)
+
+    def free_request(self, request_id: str) -> None:
+        """Drops the request's references. Its full blocks stay cached and matchable until
+        evicted (with enable_block_reuse=False nothing is cached and every page is freed).
+        Blocks are released tail first, so a sequence's last blocks are evicted first."""
+        seq = self._seq(request_id)
+        for pool, blocks in zip(self.pools, seq.blocks):
+            for block in reversed(blocks):
+                if block is not None:
+                    self._tick += 1
+                    pool.release(block, self._tick)
+        del self._sequences[request_id]
+
+    def clear_cache(self) -> None:
+        """Forgets every cached block (event "all_cleared" per group); no request may be active."""
+        if self._sequences:
+            raise RuntimeError(
+                f"clear_cache() needs no active requests, {len(self._sequences)} are active "
+                f"(e.g. {next(iter(self._sequences))!r}); free them first"
+            )
+        for pool in self.pools:
+            pool.clear()
+            if self._events.enabled:
+                self._events.append("all_cleared", pool.group, pool.window)
+        self._ops.clear()
+
+    # ================================================================== internals: validation
+
+    def _seq(self, request_id: str) -> _Sequence:
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            raise KeyError(f"unknown request_id={request_id!r}; active: {sorted(self._sequences)[:8]}")
+        return seq
+
+    def _pool(self, group: int) -> BlockPool:
+        if not isinstance(group, int) or not 0 <= group < len(self.pools):
+            raise ValueError(f"group={group!r} must be an int in [0, {len(self.pools) - 1}]")
+        return self.pools[group]
+
+    def _check_prompt(
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+        lora_id: int | None,
+        mm_items: Sequence[MultimodalItem],
+    ) -> tuple[tuple[int, ...], tuple[HashedItem, ...], BlockKey]:
+        prompt = check_token_ids(prompt_token_ids, "prompt_token_ids")
+        if not 1 <= len(prompt) <= self.max_seq_len:
+            raise ValueError(f"len(prompt_token_ids)={len(prompt)} must be in [1, max_seq_len={self.max_seq_len}]")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt={cache_salt!r} must be a string or None")
+        if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0):
+            raise ValueError(f"lora_id={lora_id!r} must be an int >= 0 or None")
+        items = hash_items(tuple(mm_items), len(prompt))
+        return prompt, items, root_key(cache_salt, lora_id)
+
+    # ================================================================== internals: reuse
+
+    def _first_in_window(self, pool: BlockPool, num_tokens: int) -> int:
+        """First block a sequence of ``num_tokens`` committed tokens still needs in ``pool``:
+        the next token (position num_tokens) attends to positions > num_tokens - window."""
+        if pool.tree_rule:
+            return 0
+        return max(0, num_tokens - pool.window + 1) // self.page_size
+
+    def _prompt_keys(self, prompt: tuple[int, ...], items: tuple[HashedItem, ...], root: BlockKey) -> list[BlockKey]:
+        """Keys of the full prompt blocks (empty with reuse off)."""
+        if not self.config.enable_block_reuse:
+            return []
+        ps = self.page_size
+        keys = []
+        parent = root
+        for b in range(len(prompt) // ps):
+            parent = block_key(parent, prompt[b * ps : (b + 1) * ps], items_in(items, b * ps, (b + 1) * ps))
+            keys.append(parent)
+        return keys
+
+    def _plan(
+        self, prompt: tuple[int, ...], keys: list[BlockKey], root: BlockKey, items: tuple[HashedItem, ...]
+    ) -> _Plan:
+        """The longest prefix every group can provide, and where each group gets it from."""
+        ps = self.page_size
+        cap = len(prompt) - 1
+        none = _Plan(0, 0, 0, [_GroupPlan(0, []) for _ in self.pools])
+        if not self.config.enable_block_reuse or cap < 1:
+            return none
+        max_full = min(cap // ps, len(keys))
+        present: list[list[Block | None]] = []
+        feasible = [True] * (max_full + 1)
+        for pool in self.pools:
+            hits: list[Block | None] = []
+            missing = [0]
+            parent = root
+            for b, key in enumerate(keys):
+                hit = pool.tree.match(key, parent, prompt[b * ps : (b + 1) * ps])
+                hits.append(hit)
+                missing.append(missing[-1] + (hit is None))
+                parent = key
+                if hit is None and pool.tree_rule:
+                    hits.extend([None] * (len(keys) - b - 1))
+                    break
+            present.append(hits)
+            for k in range(1, max_full + 1):
+                if feasible[k]:
+                    if pool.tree_rule:
+                        feasible[k] = hits[k - 1] is not None
+                    else:
+                        lo = min(self._first_in_window(pool, k * ps), k)
+                        feasible[k] = missing[k] - missing[lo] == 0
+        num_full = max(k for k in range(max_full + 1) if feasible[k])
+        start = num_full * ps
+        partial = 0
+        sources: list[tuple[Block | None, bool]] = [(None, False)] * len(self.pools)
+        if self.config.enable_partial_reuse and start < cap:
+            partial = min(ps - 1, cap - start)
+            parent = keys[num_full - 1] if num_full else root
+            wanted = prompt[start : start + partial]
+            for g, pool in enumerate(self.pools):
+                if self._first_in_window(pool, start + 1) > num_full:
+                    continue
+                hit = present[g][num_full] if num_full < len(keys) else None
+                source, count = self._partial_source(pool, hit, parent, wanted, items, start)
+                partial = min(partial, count)
+                sources[g] = (source, source is not None and not self.config.copy_on_partial_reuse
+                              and source.tier is Tier.DEVICE)
+                if partial == 0:
+                    break
+        num_tokens = start + partial
+        groups = []
+        for g, pool in enumerate(self.pools):
+            first = min(self._first_in_window(pool, num_tokens), num_full)
+            gp = _GroupPlan(first, present[g][first:num_full])
+            if partial and self._first_in_window(pool, num_tokens) <= num_full:
+                gp.source, gp.in_place = sources[g]
+            groups.append(gp)
+        return _Plan(num_tokens, num_full, partial, groups)
+
+    def _partial_source(
+        self,
+        pool: BlockPool,
+        hit: Block | None,
+        parent: BlockKey,
+        wanted: tuple[int, ...],
+        items: tuple[HashedItem, ...],
+        start: int,
+    ) -> tuple[Block | None, int]:
+        """The cached block sharing the most leading tokens with ``wanted`` (block at ``start``).
+
+        Candidates are the full match of this block if any, else the cached children of the
+        previous block. Without copy_on_partial_reuse a device candidate qualifies only if
+        it can be taken in place (no holder, no children); a host candidate is always copied
+        (onboarded) to a fresh page.
+        """
+        candidates = [hit] if hit is not None else list(pool.tree.children(parent).values())
+        best: Block | None = None
+        best_count = 0
+        for block in candidates:
+            if not self.config.copy_on_partial_reuse and block.tier is Tier.DEVICE and not pool.can_take_in_place(block):
+                continue
+            count = 0
+            for a, b in zip(wanted, block.token_ids):
+                if a != b:
+                    break
+                count += 1
+            if count and items_in(block.items, start, start + count) != items_in(items, start, start + count):
+                continue
+            if count > best_count or (count == best_count and best is not None and best.tier is Tier.HOST):
+                best, best_count = block, count
+        return best, best_count
+
+    def _fits(self, plan: _Plan) -> bool:
+        """Whether every group has the device pages the plan's onboards and copies need."""
+        for pool, gp in zip(self.pools, plan.groups):
+            need = sum(1 for b in gp.held if b.tier is Tier.HOST)
+            reserved = sum(1 for b in gp.held if b.tier is Tier.DEVICE and b.ref_count == 0)
+            if gp.source is not None:
+                need += not gp.in_place
+                reserved += gp.source.tier is Tier.DEVICE and gp.source.ref_count == 0
+            if need > pool.num_available() - reserved:
+                return False
+        return True
+
+    def _reserve(self, pool: BlockPool, gp: _GroupPlan, plan: _Plan, seq: _Sequence, now: float) -> list[Block | None]:
+        """Takes the references (and queues onboards/copies) of one group's part of the plan."""
+        for block in gp.held:
+            pool.acquire(block)
+        if gp.source is not None:
+            pool.acquire(gp.source)
+        blocks: list[Block | None] = [None] * gp.first
+        for b, block in enumerate(gp.held, start=gp.first):
+            if block.tier is Tier.HOST:
+                pool.onboard(block)
+            self._set_priority(pool, block, seq, b, now)
+            blocks.append(block)
+        if plan.partial_tokens and gp.source is not None:
+            if gp.in_place:
+                pool.take_in_place(gp.source)
+                blocks.append(gp.source)
+            else:
+                block = pool.copy_prefix(gp.source, plan.partial_tokens)
+                block.ref_count = 1
+                pool.release(gp.source, None)
+                blocks.append(block)
+        elif plan.partial_tokens:
+            blocks.append(None)
+        return blocks
+
+    def _set_priority(self, pool: BlockPool, block: Block, seq: _Sequence, b: int, now: float) -> None:
+        priority, duration_ms = block_priority(seq.retention, b * self.page_size, (b + 1) * self.page_size, len(seq.prompt))
+        expiry = None if duration_ms is None else now + duration_ms / 1000.0
+        pool.set_priority(block, priority, expiry)
+        if expiry is not None:
+            pool.expiry.push(block)
+
+    def _store_block(self, seq: _Sequence, b: int, now: float) -> None:
+        """Keys full block ``b`` of a sequence and inserts it in every group holding it."""
+        ps = self.page_size
+        parent = seq.keys[b - 1] if b else seq.root
+        tokens = tuple(seq.tokens[b * ps : (b + 1) * ps])
+        items = items_in(seq.items, b * ps, (b + 1) * ps)
+        key = seq.prompt_keys[b] if b < len(seq.prompt_keys) else block_key(parent, tokens, items)
+        seq.keys.append(key)
+        priority, duration_ms = block_priority(seq.retention, b * ps, (b + 1) * ps, len(seq.prompt))
+        expiry = None if duration_ms is None else now + duration_ms / 1000.0
+        for pool, blocks in zip(self.pools, seq.blocks):
+            block = blocks[b]
+            if block is None or block.key is not None:
+                continue
+            stored = pool.store(block, key, parent, tokens, items, priority, expiry)
+            blocks[b] = stored
+            if expiry is not None:
+                pool.expiry.push(stored)
+
+    def _expire(self) -> None:
+        """Returns blocks whose retention duration ran out to the default priority."""
+        now = self.clock()
+        for pool in self.pools:
+            if not pool.expiry:
+                continue
+            for block in pool.expiry.pop_expired(now, _in_tree):
+                pool.set_priority(block, DEFAULT_PRIORITY, None)
+            if len(pool.expiry) > 2 * len(pool.tree) + 64:
+                pool.expiry.compact(_in_tree)
+
+
+def _in_tree(block: Block) -> bool:
+    return block.key is not None
