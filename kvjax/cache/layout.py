@@ -35,6 +35,7 @@ class CacheLayout:
       num_pages: pages per group pool, in group order (null page included).
       page_size: tokens per page.
       num_kv_heads, head_dim: KV geometry.
+      max_seq_len: longest sequence; a window >= max_seq_len means full attention.
       dtype: storage dtype name ("float32", "bfloat16", "float16").
     """
 
@@ -43,6 +44,7 @@ class CacheLayout:
     page_size: int
     num_kv_heads: int
     head_dim: int
+    max_seq_len: int
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -72,16 +74,6 @@ class CacheLayout:
         return tuple(self.group_windows.index(w) for w in self.layer_windows)
 
     @functools.cached_property
-    def layer_slot(self) -> tuple[int, ...]:
-        """Index of each layer inside its group's stacked pool."""
-        seen = [0] * self.num_groups
-        slots = []
-        for g in self.layer_group:
-            slots.append(seen[g])
-            seen[g] += 1
-        return tuple(slots)
-
-    @functools.cached_property
     def group_layers(self) -> tuple[int, ...]:
         return tuple(self.layer_group.count(g) for g in range(self.num_groups))
 
@@ -102,9 +94,14 @@ class CacheLayout:
     def pool_bytes(self) -> int:
         return sum(self.bytes_per_page(g) * n for g, n in enumerate(self.num_pages))
 
-    def pool_shape(self, group: int) -> tuple[int, ...]:
-        """[group_layers, num_pages, page_size, num_kv_heads, head_dim]."""
-        return (self.group_layers[group], self.num_pages[group], self.page_size, self.num_kv_heads, self.head_dim)
+    def page_shape(self, layer: int) -> tuple[int, ...]:
+        """Shape of one layer's pages: [num_pages, page_size, num_kv_heads, head_dim]."""
+        return (self.num_pages[self.layer_group[layer]], self.page_size, self.num_kv_heads, self.head_dim)
+
+    def window_of(self, layer: int) -> int | None:
+        """The layer's sliding window, or None if the layer attends to the whole sequence."""
+        window = self.layer_windows[layer]
+        return window if window < self.max_seq_len else None
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -1,7 +1,7 @@
 """The device page pool and pure, jittable operations on it (SPEC A1, A2).
 
-A pool holds, per layer group, K and V as ``[group_layers, num_pages, page_size,
-num_kv_heads, head_dim]``. Only KV heads are stored, so a token costs exactly
+A pool holds, per layer, K and V as ``[num_pages, page_size, num_kv_heads, head_dim]``; the
+layers of one group (same attention window) share page ids and a block table. Only KV heads are stored, so a token costs exactly
 ``2 · layers · kv_heads · head_dim · bytes(dtype)``.
 """
 
@@ -18,10 +18,10 @@ from kvjax.cache.layout import NULL_PAGE, CacheLayout
 
 @flax.struct.dataclass
 class PagePool:
-    """K and V pages of every layer group.
+    """K and V pages of every layer.
 
     Attributes:
-      k, v: one array per group, [group_layers, num_pages, page_size, num_kv_heads, head_dim].
+      k, v: one array per layer, [num_pages(group of the layer), page_size, num_kv_heads, head_dim].
     """
 
     k: tuple[jax.Array, ...]
@@ -30,8 +30,8 @@ class PagePool:
 
 def init_pool(layout: CacheLayout) -> PagePool:
     """A zeroed pool for ``layout``."""
-    k = tuple(jnp.zeros(layout.pool_shape(g), layout.jnp_dtype) for g in range(layout.num_groups))
-    v = tuple(jnp.zeros(layout.pool_shape(g), layout.jnp_dtype) for g in range(layout.num_groups))
+    k = tuple(jnp.zeros(layout.page_shape(layer), layout.jnp_dtype) for layer in range(layout.num_layers))
+    v = tuple(jnp.zeros(layout.page_shape(layer), layout.jnp_dtype) for layer in range(layout.num_layers))
     return PagePool(k=k, v=v)
 
 
@@ -55,47 +55,50 @@ def slot_mapping(block_tables: jax.Array, positions: jax.Array, page_size: int) 
     return pages, offsets
 
 
-def write_layer(
-    pages: jax.Array, slot: int | jax.Array, page_ids: jax.Array, offsets: jax.Array, values: jax.Array
-) -> jax.Array:
-    """Scatters one layer's new K (or V) into a group pool.
+def write_layer(pages: jax.Array, page_ids: jax.Array, offsets: jax.Array, values: jax.Array) -> jax.Array:
+    """Scatters one layer's new K (or V) into its pages.
+
+    In-bounds is promised (padding maps to the null page): a bounds-checked scatter makes
+    XLA select over the whole pool on every write.
 
     Args:
-      pages: [group_layers, num_pages, page_size, num_kv_heads, head_dim].
-      slot: the layer's index within the group.
+      pages: [num_pages, page_size, num_kv_heads, head_dim].
       page_ids, offsets: [max_seqs, num_tokens] from ``slot_mapping``.
       values: [max_seqs, num_tokens, num_kv_heads, head_dim].
     """
-    return pages.at[slot, page_ids, offsets].set(values.astype(pages.dtype), mode="drop")
+    return pages.at[page_ids, offsets].set(values.astype(pages.dtype), mode="promise_in_bounds")
 
 
-@functools.partial(jax.jit, static_argnums=1, donate_argnums=0)
-def copy_pages(pool: PagePool, group: int, src: jax.Array, dst: jax.Array) -> PagePool:
-    """Copies whole pages ``src[i] -> dst[i]`` of one group, all its layers (copy on partial
-    reuse). Pairs with ``dst == NULL_PAGE`` are padding.
+def _group_layers(layout: CacheLayout, group: int) -> list[int]:
+    return [layer for layer, g in enumerate(layout.layer_group) if g == group]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=0)
+def copy_pages(pool: PagePool, layout: CacheLayout, group: int, src: jax.Array, dst: jax.Array) -> PagePool:
+    """Copies whole pages ``src[i] -> dst[i]`` in every layer of ``group`` (copy on partial reuse).
 
     Args:
-      group: the layer group (static).
       src, dst: [num_copies] int32 page ids.
     """
-    k = list(pool.k)
-    v = list(pool.v)
-    k[group] = k[group].at[:, dst].set(k[group][:, src])
-    v[group] = v[group].at[:, dst].set(v[group][:, src])
+    k, v = list(pool.k), list(pool.v)
+    for layer in _group_layers(layout, group):
+        k[layer] = k[layer].at[dst].set(k[layer][src])
+        v[layer] = v[layer].at[dst].set(v[layer][src])
     return PagePool(k=tuple(k), v=tuple(v))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def read_pages(pool: PagePool, group: int, page_ids: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def read_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.Array) -> jax.Array:
     """K and V of ``page_ids`` in ``group``: [2, group_layers, len(page_ids), page_size, kv_heads, head_dim]."""
-    return jnp.stack([pool.k[group][:, page_ids], pool.v[group][:, page_ids]])
+    layers = _group_layers(layout, group)
+    return jnp.stack([jnp.stack([pool.k[i][page_ids] for i in layers]), jnp.stack([pool.v[i][page_ids] for i in layers])])
 
 
-@functools.partial(jax.jit, static_argnums=1, donate_argnums=0)
-def write_pages(pool: PagePool, group: int, page_ids: jax.Array, kv: jax.Array) -> PagePool:
+@functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=0)
+def write_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.Array, kv: jax.Array) -> PagePool:
     """Writes ``kv`` (as returned by ``read_pages``) into ``page_ids`` of ``group``."""
-    k = list(pool.k)
-    v = list(pool.v)
-    k[group] = k[group].at[:, page_ids].set(kv[0].astype(k[group].dtype))
-    v[group] = v[group].at[:, page_ids].set(kv[1].astype(v[group].dtype))
+    k, v = list(pool.k), list(pool.v)
+    for n, layer in enumerate(_group_layers(layout, group)):
+        k[layer] = k[layer].at[page_ids].set(kv[0, n].astype(k[layer].dtype))
+        v[layer] = v[layer].at[page_ids].set(kv[1, n].astype(v[layer].dtype))
     return PagePool(k=tuple(k), v=tuple(v))

@@ -149,9 +149,9 @@ def load_gguf(path: str | os.PathLike, name: str) -> tuple[ModelConfig, Params, 
         for n, a in arrays.items():
             np.save(folder / f"{n}.npy", a)
         manifest.write_text(json.dumps(sorted(arrays)))
-    layer_fields = {f.name for f in dataclasses.fields(LayerParams)}
-    layers = LayerParams(
-        **{f: jnp.asarray(arrays[f"layers.{f}"]) for f in layer_fields if f"layers.{f}" in arrays}
+    present = [f.name for f in dataclasses.fields(LayerParams) if f"layers.{f.name}" in arrays]
+    layers = tuple(
+        LayerParams(**{f: jnp.asarray(arrays[f"layers.{f}"][i]) for f in present}) for i in range(cfg.num_layers)
     )
     params = Params(embed=jnp.asarray(arrays["embed"]), layers=layers, final_norm=jnp.asarray(arrays["final_norm"]))
     return cfg, params, reader

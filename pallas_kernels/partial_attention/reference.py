@@ -61,23 +61,30 @@ def partial_attention_ref(
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
     num_kv_heads = k_pages.shape[2]
+    group = q.shape[2] // num_kv_heads
     k = gather_pages(k_pages, page_indices)  # [s, k, h, d]
     v = gather_pages(v_pages, page_indices)  # [s, k, h, d]
     # Slots past a sequence's length may hold anything (the null page, stale or NaN data):
     # zero them so that 0 * garbage cannot leak into the output.
     in_length = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [s, k]
+    k = jnp.where(in_length[:, :, None, None], k, jnp.zeros((), k.dtype))
     v = jnp.where(in_length[:, :, None, None], v, jnp.zeros((), v.dtype))
-    qg = rearrange(q, "s q (h g) d -> s q h g d", h=num_kv_heads)
-    logits = jnp.einsum("sqhgd,skhd->shgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    # Query heads of one KV head are folded into the row axis: one batched matmul per
+    # (sequence, KV head), and the KV is never repeated.
+    qg = rearrange(q, "s q (h g) d -> s h (g q) d", h=num_kv_heads)
+    k = rearrange(k, "s k h d -> s h k d")
+    v = rearrange(v, "s k h d -> s h k d")
+    logits = jnp.einsum("shrd,shkd->shrk", qg, k, preferred_element_type=jnp.float32) * sm_scale
     if logit_soft_cap is not None:
         logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
-    key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :]  # [1, 1, k]
-    query_pos = q_positions[:, :, None]  # [s, q, 1]
+    key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :]  # [1, 1, k]
+    query_pos = jnp.tile(q_positions, (1, group))[:, :, None]  # [s, (g q), 1]
     visible = (key_pos <= query_pos) & (key_pos < lengths[:, None, None]) & (query_pos >= 0)
     if sliding_window is not None:
         visible &= query_pos - key_pos < sliding_window
-    logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)  # [s, h, g, q, k]
-    probs = jax.nn.softmax(logits, axis=-1)
-    probs = jnp.where(visible[:, None, None], probs, 0.0)
-    out = jnp.einsum("shgqk,skhd->sqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return rearrange(out, "s q h g d -> s q (h g) d").astype(q.dtype)
+    visible = visible[:, None]  # [s, 1, (g q), k]
+    logits = jnp.where(visible, logits, MASK_VALUE)
+    probs = jnp.where(visible, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
+    denom = jnp.maximum(jnp.sum(probs, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    out = jnp.einsum("shrk,shkd->shrd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32) / denom
+    return rearrange(out, "s h (g q) d -> s q (h g) d", g=group).astype(q.dtype)
