@@ -1,0 +1,45 @@
+"""Runs one experiment from a config file.
+
+    python -m experiments.run --config=configs/cacheblend_rag.py \
+        [--config.policy.recompute_ratio=0.2] [--workdir=runs/my_run]
+
+The config's ``experiment`` field names a module ``experiments.<experiment>`` whose
+``run(config, workdir) -> dict`` does the work. The run folder receives the resolved
+config (``config.json``), ``results.json``, a markdown ``summary.md`` and any plots.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import pathlib
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import report
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/<name>.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; default runs/<experiment>-<timestamp>.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config=configs/<name>.py is required")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    workdir = pathlib.Path(_WORKDIR.value or f"runs/{config.experiment}-{stamp}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    report.write_config(workdir, config)
+    module = importlib.import_module(f"experiments.{config.experiment}")
+    results = module.run(config, workdir)
+    report.write_json(workdir / "results.json", results)
+    logging.info("results written to %s", workdir)
+    print(f"run folder: {workdir}")
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main)
