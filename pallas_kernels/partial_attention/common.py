@@ -11,6 +11,8 @@ Key slot ``t`` of a sequence is position ``t`` (page ``t // page_size`` of its t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from einops import rearrange
@@ -182,8 +184,9 @@ def softmax_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One online-softmax step over a block of keys.
 
-    Masked slots may hold anything (NaN included): their logits are replaced, not added
-    to, and their values are zeroed before ``p @ v`` so that ``0 * NaN`` cannot appear.
+    Masked logits are replaced, not added to, so a NaN key cannot leak; values outside
+    ``key_live`` (past the length, released by the window: possibly the null page or NaN)
+    are zeroed before ``p @ v`` so that ``0 * NaN`` cannot appear.
 
     Args:
       q: [rows, head_dim].
@@ -197,7 +200,10 @@ def softmax_step(
     Returns:
       The updated (m, l, acc).
     """
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # f32 inputs ask for exact f32 products (Triton and Mosaic would otherwise use TF32/bf16 passes).
+    precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else lax.Precision.DEFAULT
+    dot = functools.partial(lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
+    logits = dot(q, k, (((1,), (1,)), ((), ())))
     logits = logits * sm_scale  # [rows, block_k]
     if logit_soft_cap is not None:
         logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
@@ -206,7 +212,7 @@ def softmax_step(
     alpha = jnp.exp(m - m_next)  # [rows, 1]
     p = jnp.where(visible, jnp.exp(logits - m_next), 0.0)  # [rows, block_k]
     v = jnp.where(key_live, v, jnp.zeros((), v.dtype))  # [block_k, head_dim]
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    pv = dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
     l_next = alpha * l + jnp.sum(p, axis=1, keepdims=True)
     return m_next, l_next, alpha * acc + pv
 
