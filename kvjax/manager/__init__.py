@@ -4,18 +4,21 @@ windows, events and the prefix-aware scheduler (SPEC B1-B11)."""
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import MultimodalItem, block_key, mm_hash, root_key
 from kvjax.manager.manager import KVCacheManager, OutOfPagesError
+from kvjax.manager.state import ConsistencyError, SnapshotError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import NULL_PAGE, PageOp
 
 __all__ = [
     "NULL_PAGE",
     "CacheStats",
+    "ConsistencyError",
     "KVCacheEvent",
     "KVCacheManager",
     "MultimodalItem",
     "OutOfPagesError",
     "PageOp",
     "RequestStats",
+    "SnapshotError",
     "block_key",
     "mm_hash",
     "root_key",

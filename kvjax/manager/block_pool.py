@@ -309,6 +309,7 @@ class BlockPool:
         parent_key: BlockKey,
         token_ids: tuple[int, ...],
         items: tuple[HashedItem, ...],
+        index: int,
         priority: int,
         expiry: float | None,
     ) -> Block:
@@ -336,6 +337,7 @@ class BlockPool:
             self.emit("updated", block)
         else:
             self.tree.insert(block, key, parent_key, token_ids, items)
+            block.index = index
             self.stats.stored_blocks += 1
             self.emit("stored", block, with_tokens=True)
         self._device_child_moved(block, +1)

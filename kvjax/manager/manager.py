@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvjax.config import DEFAULT_PRIORITY, KvCacheConfig, KvCacheRetentionConfig, as_retention_config
+from kvjax.manager import state
 from kvjax.manager.block_pool import BlockPool
 from kvjax.manager.events import EventBuffer, KVCacheEvent
 from kvjax.manager.hashing import (
@@ -431,6 +432,45 @@ class KVCacheManager:
                 self._events.append("all_cleared", pool.group, pool.window)
         self._ops.clear()
 
+    # ================================================================== snapshots
+
+    def state_dict(self) -> dict:
+        """The whole host state as JSON-compatible data (see ``kvjax.manager.state``)."""
+        return state.state_dict(self)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state_dict: dict,
+        config: KvCacheConfig,
+        *,
+        layer_windows: Sequence[int],
+        num_device_pages: int,
+        num_host_pages: int = 0,
+        max_seq_len: int,
+        bytes_per_page: int | Sequence[int] = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> KVCacheManager:
+        """A manager restored from ``state_dict()``.
+
+        Raises:
+          SnapshotError: wrong format version, a different config or layout, or damaged contents.
+        """
+        return state.load_state(
+            state_dict,
+            config,
+            layer_windows=layer_windows,
+            num_device_pages=num_device_pages,
+            num_host_pages=num_host_pages,
+            max_seq_len=max_seq_len,
+            bytes_per_page=bytes_per_page,
+            clock=clock,
+        )
+
+    def check_consistency(self) -> None:
+        """Raises ConsistencyError if any bookkeeping invariant is broken (O(cache size))."""
+        state.check_consistency(self)
+
     # ================================================================== internals: validation
 
     def _seq(self, request_id: str) -> _Sequence:
@@ -633,7 +673,7 @@ class KVCacheManager:
             block = blocks[b]
             if block is None or block.key is not None:
                 continue
-            stored = pool.store(block, key, parent, tokens, items, priority, expiry)
+            stored = pool.store(block, key, parent, tokens, items, b, priority, expiry)
             blocks[b] = stored
             if expiry is not None:
                 pool.expiry.push(stored)

@@ -32,6 +32,7 @@ class Block:
       key, parent_key: tree identity (None while private).
       token_ids: the block's tokens (tree blocks only).
       items: multimodal items overlapping the block (tree blocks only).
+      index: position of the block in its sequence (tokens index*page_size onward); tree blocks only.
       priority: 0..100 retention priority.
       expiry: clock time (seconds) at which the priority falls back to the default; None = never.
       last_used: release tick (LRU order); larger = more recent.
@@ -46,6 +47,7 @@ class Block:
     parent_key: BlockKey | None = None
     token_ids: tuple[int, ...] = ()
     items: tuple[HashedItem, ...] = ()
+    index: int = -1
     priority: int = DEFAULT_PRIORITY
     expiry: float | None = None
     last_used: int = 0
@@ -100,7 +102,9 @@ class RadixTree:
         """Puts private ``new`` in place of tree block ``old`` (same key); children stay attached."""
         key = old.key
         assert key is not None and self.blocks.get(key) is old
-        new.key, new.parent_key, new.token_ids, new.items = key, old.parent_key, old.token_ids, old.items
+        new.key, new.parent_key, new.token_ids, new.items, new.index = (
+            key, old.parent_key, old.token_ids, old.items, old.index
+        )
         self.blocks[key] = new
         self._children[old.parent_key][key] = new
         old.key = None
