@@ -1,0 +1,128 @@
+"""Host offload (B5) and limited attention windows (B7)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
+from kvjax.manager import NULL_PAGE, PageOp
+
+
+def _prio(p: int) -> KvCacheRetentionConfig:
+    return KvCacheRetentionConfig((TokenRangeRetentionConfig(0, None, p),))
+
+
+@pytest.mark.parametrize("priority, offloaded", [(34, False), (35, True)])
+def test_offload_threshold_is_inclusive_at_35(make, run, priority, offloaded):
+    """TensorRT-LLM: blocks *below* secondary_offload_min_priority (35) are not offloaded."""
+    mgr = make(num_device_pages=3, host=2, bytes_per_page=100)  # 2 usable device pages
+    run(mgr, "a", [1] * 4 + [0], retention=_prio(priority))  # block on page 1
+    mgr.take_page_ops()
+    mgr.add_request("c", [7] * 8)
+    mgr.allocate("c", 8)  # needs page 1 back
+    ops = mgr.take_page_ops()
+    if offloaded:
+        assert ops == [PageOp("offload", 0, 1, 0, 4)]
+        assert mgr.num_cached_blocks(0, "host") == 1
+        assert (mgr.stats.offloaded_pages, mgr.stats.offloaded_bytes) == (1, 100)
+    else:
+        assert ops == []
+        assert mgr.num_cached_blocks(0, "host") == 0
+    assert mgr.stats.device_evictions == 1
+
+
+def test_reusing_a_host_block_onboards_it_to_a_fresh_page(make, run):
+    mgr = make(num_device_pages=3, host=2, bytes_per_page=100)
+    run(mgr, "a", [1] * 4 + [0])  # page 1
+    run(mgr, "c", [7] * 8)  # evicts a's block to host page 0; c's blocks on pages 2, 1
+    assert mgr.take_page_ops() == [PageOp("offload", 0, 1, 0, 4)]
+    mgr.get_kv_cache_events()
+    assert mgr.add_request("b", [1] * 4 + [5]) == 4
+    # a device page is needed: c's tail block (page 1) goes to host page 1, then onboard
+    assert mgr.take_page_ops() == [PageOp("offload", 0, 1, 1, 4), PageOp("onboard", 0, 0, 1, 4)]
+    assert mgr.block_table("b", 0) == [1]
+    tiers = [(e.kind, e.tier) for e in mgr.get_kv_cache_events()]
+    assert tiers == [("updated", "host"), ("updated", "device")]
+    assert mgr.request_stats("b").onboarded_pages == 1
+    assert (mgr.stats.onboarded_pages, mgr.stats.onboarded_bytes) == (1, 100)
+    mgr.check_consistency()
+
+
+def test_host_tier_evicts_its_own_lru_block(make, run):
+    mgr = make(num_device_pages=2, host=1)  # 1 usable device page, 1 host page
+    run(mgr, "a", [1] * 4)  # page 1 (block is full: 4 tokens, cap 3: nothing to reuse)
+    run(mgr, "b", [2] * 4)  # a -> host 0; b on page 1
+    run(mgr, "c", [3] * 4)  # b -> host: host full, a dropped
+    assert mgr.stats.host_evictions == 1
+    assert mgr.estimate_reusable_tokens([1] * 4 + [0]) == 0
+    assert mgr.estimate_reusable_tokens([2] * 4 + [0]) == 4
+    mgr.check_consistency()
+
+
+def test_dropping_a_parent_drops_its_host_descendants(make, run):
+    mgr = make(num_device_pages=4, host=1)  # 3 usable device pages, 1 host page
+    low_parent = KvCacheRetentionConfig((TokenRangeRetentionConfig(0, 4, 10),))
+    run(mgr, "a", [1] * 8 + [0], retention=low_parent)  # parent (10) page 1, child (35) page 2
+    mgr.add_request("c", [7] * 12)
+    mgr.allocate("c", 12)  # page 3, then the child (leaf) -> host, then the parent: dropped
+    assert mgr.num_cached_blocks(0, "host") == 0
+    assert mgr.num_cached_blocks(0, "device") == 0
+    removed = [e.tier for e in mgr.get_kv_cache_events() if e.kind == "removed"]
+    assert removed == ["host", "device"]
+    mgr.check_consistency()
+
+
+def test_layer_groups_follow_distinct_windows(make):
+    mgr = make(windows=(64, 8, 64, 8), max_seq_len=64)
+    assert mgr.group_windows == (64, 8)
+    assert mgr.layer_groups == (0, 1, 0, 1)
+
+
+def test_windowed_group_memory_is_bounded_on_a_long_sequence(make):
+    window, ps = 8, 4
+    mgr = make(num_device_pages=40, windows=(128, window), max_seq_len=128)
+    mgr.add_request("a", [1, 2])
+    mgr.allocate("a", 2)
+    mgr.commit_tokens("a", [1, 2])
+    bound = -(-window // ps) + 1
+    for n in range(2, 120):
+        mgr.allocate("a", n + 1)
+        held = [p for p in mgr.block_table("a", 1) if p != NULL_PAGE]
+        assert len(held) <= bound, (n, mgr.block_table("a", 1))
+        mgr.commit_tokens("a", [n % 50])
+    table = mgr.block_table("a", 1)
+    # 120 tokens: the next token (position 120) attends to 113..119 -> blocks 28 and 29
+    assert [i for i, p in enumerate(table) if p != NULL_PAGE] == [28, 29]
+    assert all(p != NULL_PAGE for p in mgr.block_table("a", 0))
+    assert mgr.num_free_pages(1) == 39 - 2  # released blocks are cached but evictable
+    mgr.check_consistency()
+
+
+def test_windowed_group_releases_blocks_into_the_tree_for_reuse(make, run):
+    mgr = make(num_device_pages=12, windows=(64, 4), max_seq_len=64)
+    prompt = list(range(1, 21))  # 5 blocks
+    run(mgr, "a", prompt, free=False)
+    assert mgr.block_table("a", 1)[:4] == [NULL_PAGE] * 4
+    assert mgr.num_cached_blocks(1) == 5  # released blocks stay cached
+    mgr.free_request("a")
+    assert mgr.add_request("b", prompt + [99]) == 20
+
+
+def test_windowed_reuse_needs_only_blocks_inside_the_window(make, run):
+    mgr = make(num_device_pages=12, windows=(64, 4), max_seq_len=64)
+    prompt = list(range(1, 21))  # 5 blocks
+    run(mgr, "a", prompt)
+    stored = [e.block_key for e in mgr.get_kv_cache_events() if e.kind == "stored" and e.group == 1]
+    windowed = mgr.pools[1]
+    for key in stored[:2]:  # the windowed group loses the two oldest blocks
+        windowed._drop(windowed.tree.blocks[key])
+    mgr.check_consistency()
+    # window 4: the first token to compute (position 20) attends to 17..20 -> block 4 only
+    assert mgr.estimate_reusable_tokens(prompt + [99]) == 20
+    # a prefix ending at 8 would need block 1 (positions 5..7): gone, and so is block 0
+    assert mgr.estimate_reusable_tokens(prompt[:8] + [99]) == 0
+    assert mgr.add_request("b", prompt + [99]) == 20
+    table = mgr.block_table("b", 1)
+    assert table[:4] == [NULL_PAGE] * 4 and table[4] != NULL_PAGE
+    assert all(p != NULL_PAGE for p in mgr.block_table("b", 0))
+    mgr.check_consistency()
