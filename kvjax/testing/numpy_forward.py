@@ -1,0 +1,71 @@
+"""An independent, unpaged float64/float32 numpy forward of the same architecture.
+
+Written from the model definitions (HF Llama / Gemma 3), sharing no code with
+``kvjax.model.transformer``; tests use it as the oracle for the paged JAX model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.model.config import ModelConfig
+from kvjax.model.transformer import Params
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, theta: float) -> np.ndarray:
+    """x: [T, heads, d], positions 0..T-1, half rotation."""
+    t, _, d = x.shape
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    ang = np.arange(t)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def numpy_logits(params: Params, cfg: ModelConfig, tokens: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    """Logits [T, V] of one sequence of tokens [T] at positions 0..T-1."""
+    p = lambda a: np.asarray(a, dtype=dtype)  # noqa: E731
+    x = p(params.embed)[np.asarray(tokens)]
+    if cfg.embed_scale:
+        x = x * np.sqrt(cfg.d_model)
+    t = x.shape[0]
+    group = cfg.num_heads // cfg.num_kv_heads
+    for i, lp in enumerate(params.layers):
+        h = _rms(x, p(lp.attn_norm), cfg.rms_eps)
+        q = (h @ p(lp.wq)).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = (h @ p(lp.wk)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = (h @ p(lp.wv)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = _rms(q, p(lp.q_norm), cfg.rms_eps), _rms(k, p(lp.k_norm), cfg.rms_eps)
+        theta = cfg.layer_rope_theta[i]
+        q, k = _rope(q, theta), _rope(k, theta)
+        k = np.repeat(k, group, axis=1)
+        v = np.repeat(v, group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) * cfg.sm_scale
+        qi, ki = np.arange(t)[:, None], np.arange(t)[None, :]
+        mask = ki <= qi
+        if cfg.is_local(i):
+            mask &= qi - ki < cfg.sliding_window
+        scores = np.where(mask[None], scores, -np.inf)
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        probs = scores / scores.sum(-1, keepdims=True)
+        o = np.einsum("hqk,khd->qhd", probs, v).reshape(t, -1) @ p(lp.wo)
+        if cfg.sandwich_norm:
+            o = _rms(o, p(lp.post_attn_norm), cfg.rms_eps)
+        x = x + o
+        h = _rms(x, p(lp.ffn_norm), cfg.rms_eps)
+        g = h @ p(lp.w_gate)
+        act = g / (1.0 + np.exp(-g)) if cfg.activation == "silu" else _gelu_tanh(g)
+        m = (act * (h @ p(lp.w_up))) @ p(lp.w_down)
+        if cfg.sandwich_norm:
+            m = _rms(m, p(lp.post_ffn_norm), cfg.rms_eps)
+        x = x + m
+    return _rms(x, p(params.final_norm), cfg.rms_eps) @ p(params.embed).T
