@@ -4,6 +4,7 @@ windows, events and the prefix-aware scheduler (SPEC B1-B11)."""
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import MultimodalItem, block_key, mm_hash, root_key
 from kvjax.manager.manager import KVCacheManager, OutOfPagesError
+from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest, StepPlan
 from kvjax.manager.state import ConsistencyError, SnapshotError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import NULL_PAGE, PageOp
@@ -18,7 +19,11 @@ __all__ = [
     "OutOfPagesError",
     "PageOp",
     "RequestStats",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerRequest",
     "SnapshotError",
+    "StepPlan",
     "block_key",
     "mm_hash",
     "root_key",

@@ -243,19 +243,17 @@ class KVCacheManager:
         prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
         return self._plan(prompt, self._prompt_keys(prompt, items, root), root, items).num_tokens
 
-    def first_block_key(
+    def prompt_block_keys(
         self,
         prompt_token_ids: Sequence[int],
         *,
         cache_salt: str | None = None,
         lora_id: int | None = None,
         mm_items: Sequence[MultimodalItem] = (),
-    ) -> BlockKey | None:
-        """Key of the prompt's first full block (None if the prompt is shorter than a block)."""
+    ) -> list[BlockKey]:
+        """Keys of the prompt's full blocks (empty with enable_block_reuse=False)."""
         prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
-        if len(prompt) < self.page_size:
-            return None
-        return block_key(root, prompt[: self.page_size], items_in(items, 0, self.page_size))
+        return self._prompt_keys(prompt, items, root)
 
     # ================================================================== request life cycle
 

@@ -1,0 +1,274 @@
+"""Step scheduler with prefix-aware admission (SPEC B10), host-only.
+
+Each step: running requests go first, oldest first (a decode token, or their next prefill
+chunk); then waiting requests are admitted in arrival order while the token budget
+(``max_num_tokens``) and ``max_batch_size`` allow. Pages come from the manager at schedule
+time, so a plan handed to the engine is always executable.
+
+With ``enable_prefix_aware_scheduling`` (default):
+
+* a waiting request is charged only the tokens it will compute, ``len(prompt)`` minus the
+  manager's reusable-token estimate;
+* a waiting request whose first block *to compute* (the first block past its reusable prefix)
+  is a block that a running request is still prefilling is deferred: once the twin has
+  written that block, the deferred request reuses it instead of computing it again.
+
+With it off, admission charges the full prompt chunk and never defers; the manager still
+reuses blocks (``enable_block_reuse`` is independent).
+
+Engine loop::
+
+    plan = scheduler.schedule()
+    for op in manager.take_page_ops(): ...                 # copy/offload/onboard pages
+    logits = forward(plan, manager.block_table(...))       # token_ids at positions start...
+    finished = scheduler.finish_step({r.request_id: sample(...) for r in plan.scheduled if r.samples})
+
+When a running request cannot get a page, the newest running request is preempted: its
+references are dropped (its full blocks stay cached), its outputs are discarded, and it
+returns to the front of the queue to start over.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+
+from kvjax.config import KvCacheRetentionConfig, SchedulerConfig
+from kvjax.manager.hashing import BlockKey, MultimodalItem
+from kvjax.manager.manager import KVCacheManager, OutOfPagesError
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerRequest:
+    """A generation request and its progress.
+
+    Attributes:
+      request_id: unique among live requests.
+      prompt_token_ids: the prompt.
+      max_new_tokens: tokens to generate, >= 1.
+      eos_token_id: generation also stops after sampling this token (None = never).
+      retention, cache_salt, lora_id, mm_items: passed to ``KVCacheManager.add_request``.
+      num_computed_tokens: tokens whose KV is written (reused prefix included).
+      num_reused_tokens: prompt tokens reused at admission.
+      output_token_ids: sampled tokens so far.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    eos_token_id: int | None = None
+    retention: KvCacheRetentionConfig | None = None
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    mm_items: tuple[MultimodalItem, ...] = ()
+    num_computed_tokens: int = 0
+    num_reused_tokens: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_keys: list[BlockKey] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < len(self.prompt_token_ids)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One sequence's work in a step.
+
+    Attributes:
+      token_ids: input tokens of this step (a prefill chunk, or the last sampled token).
+      start: position of ``token_ids[0]`` in the sequence.
+      is_prefill: a prompt chunk (else one decode token).
+      samples: the logits of the last input token are sampled (last prefill chunk or decode).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    is_prefill: bool
+    samples: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one engine step computes.
+
+    Attributes:
+      scheduled: sequences in batch order.
+      num_budget_tokens: tokens charged to ``max_num_tokens``.
+      deferred: waiting requests held back as duplicates of an in-flight prefill.
+      preempted: running requests sent back to the queue for lack of pages.
+    """
+
+    scheduled: tuple[ScheduledRequest, ...]
+    num_budget_tokens: int
+    deferred: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by the forward pass."""
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+class Scheduler:
+    """Chooses, per step, which requests prefill (in chunks) and which decode."""
+
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager) -> None:
+        self.config = config
+        self.manager = manager
+        self.waiting: collections.deque[SchedulerRequest] = collections.deque()
+        self.running: dict[str, SchedulerRequest] = {}
+        self._last_plan: StepPlan | None = None
+
+    def add(self, request: SchedulerRequest) -> None:
+        """Queues a request (validated against the manager's limits)."""
+        rid = request.request_id
+        if rid in self.running or any(r.request_id == rid for r in self.waiting):
+            raise ValueError(f"request_id={rid!r} is already queued or running")
+        if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={request.max_new_tokens!r} must be an int >= 1")
+        limit = self.manager.max_seq_len
+        if len(request.prompt_token_ids) + request.max_new_tokens > limit:
+            raise ValueError(
+                f"len(prompt)={len(request.prompt_token_ids)} + max_new_tokens={request.max_new_tokens} "
+                f"exceeds max_seq_len={limit}"
+            )
+        request.prompt_token_ids = tuple(request.prompt_token_ids)
+        request.prompt_keys = self.manager.prompt_block_keys(
+            request.prompt_token_ids, cache_salt=request.cache_salt, lora_id=request.lora_id, mm_items=request.mm_items
+        )
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        """Plans the next step and reserves its pages."""
+        if self._last_plan is not None:
+            raise RuntimeError("finish_step() must report the previous plan before schedule() is called again")
+        cfg = self.config
+        budget, slots = cfg.max_num_tokens, cfg.max_batch_size
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        for req in list(self.running.values()):
+            if not slots or not budget:
+                break
+            if req.request_id not in self.running:
+                continue
+            if req.in_prefill:
+                n = min(cfg.prefill_chunk_size, len(req.prompt_token_ids) - req.num_computed_tokens, budget)
+            else:
+                n = 1
+            if not self._allocate_or_preempt(req, req.num_computed_tokens + n, preempted):
+                continue
+            scheduled.append(self._work(req, n))
+            budget -= n
+            slots -= 1
+        deferred: list[str] = []
+        if not preempted:
+            budget = self._admit(budget, slots, scheduled, deferred)
+        plan = StepPlan(tuple(scheduled), cfg.max_num_tokens - budget, tuple(deferred), tuple(preempted))
+        self._last_plan = plan
+        return plan
+
+    def finish_step(self, sampled: Mapping[str, int]) -> list[str]:
+        """Records the step: commits the computed tokens and appends sampled ones.
+
+        Args:
+          sampled: the sampled token of every scheduled request with ``samples=True``.
+
+        Returns:
+          Requests that finished (their cache references are dropped).
+        """
+        plan = self._last_plan
+        if plan is None:
+            raise RuntimeError("finish_step() called without a schedule() before it")
+        missing = [s.request_id for s in plan.scheduled if s.samples and s.request_id not in sampled]
+        if missing:
+            raise ValueError(f"sampled has no token for request(s) {missing}, which sample this step")
+        self._last_plan = None
+        finished = []
+        for work in plan.scheduled:
+            req = self.running[work.request_id]
+            self.manager.commit_tokens(req.request_id, work.token_ids)
+            req.num_computed_tokens += len(work.token_ids)
+            if not work.samples:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            if len(req.output_token_ids) >= req.max_new_tokens or token == req.eos_token_id:
+                self.manager.free_request(req.request_id)
+                del self.running[req.request_id]
+                finished.append(req.request_id)
+        return finished
+
+    # ------------------------------------------------------------------ internals
+
+    def _work(self, req: SchedulerRequest, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        prompt = req.prompt_token_ids
+        if req.in_prefill:
+            return ScheduledRequest(req.request_id, prompt[start : start + n], start, True, start + n == len(prompt))
+        return ScheduledRequest(req.request_id, (req.output_token_ids[-1],), start, False, True)
+
+    def _allocate_or_preempt(self, req: SchedulerRequest, total: int, preempted: list[str]) -> bool:
+        """Allocates, preempting the newest running requests as needed; False if ``req`` itself went."""
+        while True:
+            try:
+                self.manager.allocate(req.request_id, total)
+                return True
+            except OutOfPagesError:
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    return False
+
+    def _preempt(self, req: SchedulerRequest) -> None:
+        self.manager.free_request(req.request_id)
+        del self.running[req.request_id]
+        req.num_computed_tokens = req.num_reused_tokens = 0
+        req.output_token_ids.clear()
+        self.waiting.appendleft(req)
+
+    def _admit(self, budget: int, slots: int, scheduled: list[ScheduledRequest], deferred: list[str]) -> int:
+        cfg = self.config
+        aware = cfg.enable_prefix_aware_scheduling
+        ps = self.manager.page_size
+        pending = {
+            key
+            for r in self.running.values()
+            if r.in_prefill
+            for key in r.prompt_keys[r.num_computed_tokens // ps :]
+        }
+        for req in list(self.waiting):
+            if not slots or not budget:
+                break
+            prompt = req.prompt_token_ids
+            kwargs = dict(cache_salt=req.cache_salt, lora_id=req.lora_id, mm_items=req.mm_items)
+            estimate = self.manager.estimate_reusable_tokens(prompt, **kwargs) if aware else 0
+            first = estimate // ps
+            if aware and first < len(req.prompt_keys) and req.prompt_keys[first] in pending:
+                deferred.append(req.request_id)
+                continue
+            charge = min(cfg.prefill_chunk_size, len(prompt) - estimate, budget)
+            reused = self.manager.add_request(req.request_id, prompt, retention=req.retention, **kwargs)
+            n = min(cfg.prefill_chunk_size, len(prompt) - reused, budget)
+            try:
+                self.manager.allocate(req.request_id, reused + n)
+            except OutOfPagesError:
+                self.manager.free_request(req.request_id)
+                break
+            self.waiting.remove(req)
+            req.num_computed_tokens = req.num_reused_tokens = reused
+            self.running[req.request_id] = req
+            pending.update(req.prompt_keys[reused // ps :])
+            scheduled.append(self._work(req, n))
+            budget -= max(charge, n)
+            slots -= 1
+        return budget
+
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerRequest", "StepPlan"]
