@@ -1,0 +1,47 @@
+"""RoPE repositioning of stored chunk keys (SPEC C2).
+
+A chunk's KV is precomputed with the chunk starting at ``stored_start`` (0, 1 behind BOS,
+or the length of the shared system prompt). RoPE rotations compose, so moving the chunk
+to ``actual_start`` only needs every stored key rotated by ``actual_start - stored_start``;
+values carry no position and are reused unchanged. The rotated keys equal keys computed
+at the new positions exactly (up to float error) at layer 0, where a key depends only on
+its token and position; deeper layers still differ by the missing cross-chunk attention,
+which is what selective recompute repairs.
+
+Shapes: T = tokens, K = kv heads, d = head_dim.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kvjax.model.config import ModelConfig
+from kvjax.model.rope import apply_rope
+
+
+def reposition_keys(keys: jax.Array, deltas: jax.Array, theta: float) -> jax.Array:
+    """Rotates stored keys by per-token position deltas.
+
+    Args:
+      keys: [..., T, K, d] keys rotated for their stored positions.
+      deltas: [..., T] int32, actual position - stored position of each token.
+      theta: RoPE base of the keys' layer.
+
+    Returns:
+      [..., T, K, d] keys as if computed at the actual positions.
+    """
+    return apply_rope(keys, deltas, theta)
+
+
+def reposition_layers(
+    cfg: ModelConfig, keys: tuple[jax.Array, ...], deltas: jax.Array
+) -> tuple[jax.Array, ...]:
+    """``reposition_keys`` for every layer, each with its own RoPE base.
+
+    Args:
+      keys: one [..., T, K, d] array per layer.
+      deltas: [..., T] int32 position deltas shared by all layers.
+    """
+    if len(keys) != cfg.num_layers:
+        raise ValueError(f"got keys for {len(keys)} layers; the model has num_layers={cfg.num_layers}")
+    return tuple(reposition_keys(k, deltas, cfg.layer_rope_theta[layer]) for layer, k in enumerate(keys))

@@ -1,0 +1,241 @@
+"""Which tokens a blended prefill recomputes (SPEC C4).
+
+Token roles in one blended prompt (T = padded token count)::
+
+    | prefix (system prompt) | chunk 0 | chunk 1 | ... | chunk n-1 | suffix (question) | pad |
+      exact, never selected    selectable: reused KV, recompute candidates   always recomputed
+
+Selectors produce a ``Selection``: either a fixed set of rows recomputed in every layer
+(random, oracle, first-k per chunk, full reuse, full recompute), or a deviation schedule
+(CacheBlend): all tokens run up to the first check layer; at each check layer the rows still
+being recomputed are scored by the deviation of their fresh K/V from the reused K/V and the
+set narrows to that layer's budget (gradual filtering). The suffix is always kept.
+
+Row counts are dynamic (arrays) while row capacities are static and bucketed, so prompts of
+similar size share one compiled prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Deviation = Literal["k", "v", "kv"]
+DEVIATIONS = ("k", "v", "kv")
+SELECTORS = ("cacheblend", "random", "oracle", "first_k", "none", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionConfig:
+    """How CacheBlend selects tokens.
+
+    Attributes:
+      recompute_ratio: share of the chunk tokens recomputed at the last check layer, in [0, 1].
+      check_layers: layers where deviations are measured, strictly increasing, the first >= 1
+        (layer 0 KV depends only on token and position, so it is exact after repositioning).
+      budgets: row budget after each check layer in units of the target count, non-increasing
+        and ending at 1.0; the first > 1 makes the candidate set larger than the target.
+      deviation: "k", "v" or "kv": which fresh-minus-reused difference scores a token.
+      row_bucket: row capacities are rounded up to a multiple of this (avoids recompiles).
+    """
+
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1, 2, 3)
+    budgets: tuple[float, ...] = (2.0, 1.5, 1.0)
+    deviation: Deviation = "kv"
+    row_bucket: int = 64
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio={self.recompute_ratio} must lie in [0, 1]")
+        if not self.check_layers or self.check_layers[0] < 1 or list(self.check_layers) != sorted(set(self.check_layers)):
+            raise ValueError(f"check_layers={self.check_layers} must be strictly increasing layer indices >= 1")
+        if len(self.budgets) != len(self.check_layers):
+            raise ValueError(f"budgets={self.budgets} must have one entry per check layer ({len(self.check_layers)})")
+        if any(b < a for a, b in zip(self.budgets[1:], self.budgets)) or self.budgets[-1] != 1.0 or min(self.budgets) < 1.0:
+            raise ValueError(f"budgets={self.budgets} must be non-increasing, >= 1.0, and end at 1.0")
+        if self.deviation not in DEVIATIONS:
+            raise ValueError(f"deviation={self.deviation!r} must be one of {DEVIATIONS}")
+        if self.row_bucket < 1:
+            raise ValueError(f"row_bucket={self.row_bucket} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """Token roles of one prompt (host side).
+
+    Attributes:
+      num_tokens: real prompt tokens.
+      prefix_len: tokens of the exact prefix (never selected).
+      chunk_spans: (start, end) of each chunk, in prompt order.
+      suffix_start: first suffix token; the suffix runs to ``num_tokens``.
+    """
+
+    num_tokens: int
+    prefix_len: int
+    chunk_spans: tuple[tuple[int, int], ...]
+    suffix_start: int
+
+    @property
+    def num_selectable(self) -> int:
+        return sum(e - s for s, e in self.chunk_spans)
+
+    @property
+    def num_forced(self) -> int:
+        return self.num_tokens - self.suffix_start
+
+    def masks(self, padded: int) -> tuple[np.ndarray, np.ndarray]:
+        """(selectable [padded] bool, forced [padded] bool)."""
+        selectable = np.zeros(padded, bool)
+        for s, e in self.chunk_spans:
+            selectable[s:e] = True
+        forced = np.zeros(padded, bool)
+        forced[self.suffix_start : self.num_tokens] = True
+        return selectable, forced
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """A selector's decision, ready for the fusor.
+
+    Attributes:
+      rows: [M0] int32 token indices recomputed from layer 0 (padding rows: any index).
+      rows_valid: [M0] bool.
+      checks: static (layer, row capacity) narrowing steps; empty = fixed set.
+      counts: [len(checks)] int32 rows kept after each check (suffix included).
+      deviation: which difference scores tokens at the checks.
+    """
+
+    rows: np.ndarray
+    rows_valid: np.ndarray
+    checks: tuple[tuple[int, int], ...] = ()
+    counts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    deviation: Deviation = "kv"
+
+
+def bucket(n: int, multiple: int) -> int:
+    """``n`` rounded up to a positive multiple of ``multiple``."""
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def target_count(roles: Roles, ratio: float) -> int:
+    """Chunk tokens recomputed at ``ratio`` (ceil, at most all of them)."""
+    return min(roles.num_selectable, math.ceil(ratio * roles.num_selectable - 1e-9))
+
+
+def _fixed(token_ids: np.ndarray, row_bucket: int) -> Selection:
+    capacity = bucket(len(token_ids), row_bucket)
+    rows = np.zeros(capacity, np.int32)
+    rows[: len(token_ids)] = token_ids
+    valid = np.arange(capacity) < len(token_ids)
+    return Selection(rows=rows, rows_valid=valid)
+
+
+def _suffix_ids(roles: Roles) -> np.ndarray:
+    return np.arange(roles.suffix_start, roles.num_tokens, dtype=np.int32)
+
+
+def select_fixed(roles: Roles, chosen: np.ndarray, row_bucket: int) -> Selection:
+    """The suffix plus the given chunk tokens, recomputed in every layer."""
+    ids = np.unique(np.concatenate([np.asarray(chosen, np.int32), _suffix_ids(roles)]))
+    return _fixed(ids.astype(np.int32), row_bucket)
+
+
+def select_none(roles: Roles, row_bucket: int) -> Selection:
+    """Full KV reuse: only the suffix is computed."""
+    return select_fixed(roles, np.zeros(0, np.int32), row_bucket)
+
+
+def select_all(roles: Roles, row_bucket: int) -> Selection:
+    """Full recompute of every non-prefix token (with an exact prefix: equals full recompute)."""
+    return select_fixed(roles, np.arange(roles.prefix_len, roles.suffix_start, dtype=np.int32), row_bucket)
+
+
+def select_random(roles: Roles, ratio: float, rng: np.random.Generator, row_bucket: int) -> Selection:
+    """The control: a uniform sample of ``ratio`` of the chunk tokens."""
+    pool = np.concatenate([np.arange(s, e) for s, e in roles.chunk_spans] or [np.zeros(0, int)])
+    chosen = rng.choice(pool, size=target_count(roles, ratio), replace=False) if len(pool) else pool
+    return select_fixed(roles, chosen, row_bucket)
+
+
+def select_first_k(roles: Roles, ratio: float, row_bucket: int) -> Selection:
+    """EPIC-style: the first ``ceil(ratio · len)`` tokens of every chunk (their attention-sink-like
+    beginnings carry most of the deviation of a chunk computed alone)."""
+    chosen = [np.arange(s, s + math.ceil(ratio * (e - s) - 1e-9)) for s, e in roles.chunk_spans]
+    return select_fixed(roles, np.concatenate(chosen or [np.zeros(0, int)]), row_bucket)
+
+
+def select_oracle(roles: Roles, ratio: float, true_deviation: np.ndarray, row_bucket: int) -> Selection:
+    """The tokens with the highest true deviation (known only after a full recompute).
+
+    Args:
+      true_deviation: [num_layers, num_tokens] deviation of the reused KV from the full
+        recompute KV; each layer is normalised by its mean over chunk tokens, then summed.
+    """
+    selectable, _ = roles.masks(true_deviation.shape[1])
+    dev = true_deviation[:, selectable]
+    score = (dev / np.maximum(dev.mean(axis=1, keepdims=True), 1e-30)).sum(axis=0)
+    order = np.argsort(-score, kind="stable")[: target_count(roles, ratio)]
+    return select_fixed(roles, np.flatnonzero(selectable)[order], row_bucket)
+
+
+def select_cacheblend(roles: Roles, config: SelectionConfig, padded: int, num_layers: int) -> Selection:
+    """The deviation schedule: all tokens until ``check_layers[0]``, then gradual filtering."""
+    if config.check_layers[-1] >= num_layers:
+        raise ValueError(f"check_layers={config.check_layers} must be < num_layers={num_layers}")
+    target = target_count(roles, config.recompute_ratio)
+    counts, checks = [], []
+    for layer, budget in zip(config.check_layers, config.budgets):
+        count = roles.num_forced + min(roles.num_selectable, math.ceil(budget * target - 1e-9))
+        counts.append(count)
+        capacity = bucket(count, config.row_bucket)
+        if checks:
+            capacity = min(capacity, checks[-1][1])
+        checks.append((layer, min(capacity, padded)))
+    rows = np.arange(padded, dtype=np.int32)
+    return Selection(
+        rows=rows, rows_valid=rows < roles.num_tokens, checks=tuple(checks),
+        counts=np.asarray(counts, np.int32), deviation=config.deviation,
+    )
+
+
+def token_deviation(
+    k_new: jax.Array, v_new: jax.Array, k_old: jax.Array, v_old: jax.Array, kind: Deviation
+) -> jax.Array:
+    """Squared L2 deviation per token, summed over KV heads and head_dim.
+
+    Args:
+      k_new, v_new, k_old, v_old: [T, K, d].
+
+    Returns:
+      [T] float32.
+    """
+    dk = jnp.sum(jnp.square((k_new - k_old).astype(jnp.float32)), axis=(-2, -1))
+    dv = jnp.sum(jnp.square((v_new - v_old).astype(jnp.float32)), axis=(-2, -1))
+    return {"k": dk, "v": dv, "kv": dk + dv}[kind]
+
+
+def narrow(
+    deviation: jax.Array, forced: jax.Array, eligible: jax.Array, count: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array]:
+    """Keeps the ``count`` highest-scoring rows (forced rows first) in ``capacity`` slots.
+
+    Args:
+      deviation: [M] score of each current row.
+      forced: [M] rows always kept (the suffix).
+      eligible: [M] rows that may be kept at all (valid chunk or suffix rows).
+      count: [] int32 rows to keep.
+      capacity: static number of output slots (>= count).
+
+    Returns:
+      (picked [capacity] int32 indices into the M rows, valid [capacity] bool).
+    """
+    score = jnp.where(forced, jnp.inf, jnp.where(eligible, deviation, -jnp.inf))
+    top, picked = jax.lax.top_k(score, capacity)
+    valid = (jnp.arange(capacity) < count) & (top > -jnp.inf)
+    return picked.astype(jnp.int32), valid
