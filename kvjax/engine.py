@@ -2,18 +2,17 @@
 
 Each ``step()``:
 
-1. schedules: running requests decode one token each; waiting requests are admitted
-   (the manager matches their longest cached prefix, which is skipped) and prefilled
-   in chunks, all under the step's token budget (``SchedulerConfig``);
-2. executes the manager's page operations (offload, onboard, copy) on the pools;
-3. runs one jitted forward per prefill chunk and one batched forward for all decodes,
-   with shapes padded to power-of-two buckets so nothing recompiles per request;
-4. samples on device, commits the computed tokens to the manager (full blocks enter the
-   radix tree) and finishes requests on EOS or length.
+1. the scheduler (``kvjax.manager.scheduler``) plans the step: running requests decode one
+   token or prefill their next chunk; waiting requests are admitted (the manager matches
+   their longest cached prefix, which is skipped) under the token budget, prefix-aware;
+2. the engine executes the manager's page operations (offload, onboard, copy) on the pools;
+3. one jitted forward per prefill chunk and one batched forward for all decodes run, with
+   shapes padded to power-of-two buckets so nothing recompiles per request;
+4. sampling runs on device; the scheduler commits the computed tokens to the manager (full
+   blocks enter the radix tree) and finishes requests on EOS or length.
 
-When the pool cannot hold a decode step, the newest running request is preempted (its
-pages freed, its tokens kept) and re-prefilled later — with block reuse, mostly from the
-cache. No page is ever written that another request owns.
+When a step cannot get pages, the scheduler preempts the newest running request (its
+blocks stay cached) and re-admits it later; no page another request owns is ever written.
 """
 
 from __future__ import annotations
@@ -32,7 +31,8 @@ from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, choose_cache_size, init_pool
 from kvjax.cache.pool import copy_pages, read_pages, write_pages
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, as_retention_config
-from kvjax.manager import KVCacheManager, MultimodalItem, OutOfPagesError, PageOp
+from kvjax.manager import KVCacheManager, MultimodalItem, PageOp
+from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
 from kvjax.model.registry import Model
 from kvjax.model.transformer import forward
 from kvjax.sampling import SamplingParams, sample
@@ -45,55 +45,33 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 @dataclasses.dataclass(slots=True)
-class Request:
-    """A request's host state.
+class RequestRecord:
+    """What the engine keeps per request beside the scheduler's progress.
 
     Attributes:
-      prompt: prompt token ids.
-      output: generated token ids so far.
-      num_computed: tokens of prompt + output whose KV is in the cache.
-      num_reused: prompt tokens served from the cache at admission.
+      logits: each generated position's logits [V] when ``sampling.return_logits``.
+      submit_time, first_token_time, finish_time: ``time.perf_counter()`` seconds.
     """
 
-    request_id: str
-    prompt: list[int]
+    sched: SchedulerRequest
     sampling: SamplingParams
-    retention: KvCacheRetentionConfig
-    cache_salt: str | None
-    lora_id: int | None
-    mm_items: tuple[MultimodalItem, ...]
-    output: list[int] = dataclasses.field(default_factory=list)
+    submit_time: float
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
-    num_computed: int = 0
-    num_reused: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
-    submit_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    finished: bool = False
     num_preemptions: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def prefill_target(self) -> int:
-        """Tokens to compute before decoding: the prompt, or after a preemption every token
-        but the last generated one (the next decode input)."""
-        return len(self.prompt) + len(self.output) - (1 if self.output else 0)
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < self.prefill_target
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """A finished (or streamed) request.
+    """A request's result.
 
     Attributes:
+      num_reused_tokens: prompt tokens served from the cache (prefill skipped).
       ttft_s: seconds from submission to the first generated token.
+      latency_s: seconds from submission to the last token.
+      logits: per generated token, [V] float32 (only with ``return_logits``).
     """
 
     request_id: str
@@ -158,9 +136,8 @@ class Engine:
         )
         self.pool: PagePool = init_pool(self.layout)
         self.host_pools = [self.layout.host_zeros(g, num_host_pages) for g in range(self.layout.num_groups)] if num_host_pages else []
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.scheduler = Scheduler(scheduler_config, self.manager)
+        self.requests: dict[str, RequestRecord] = {}
         self._ids = itertools.count()
         self.timings = collections.Counter()
         """Cumulative seconds and token counts by phase (prefill / decode / page_ops)."""
@@ -179,53 +156,63 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         """Queues a request; returns its id. Validates before touching any state."""
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = tuple(int(t) for t in prompt_token_ids)
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[:5]}: token ids must be in [0, {vocab})")
-        if len(prompt) + sampling.max_new_tokens > self.max_seq_len:
-            raise ValueError(
-                f"len(prompt_token_ids)={len(prompt)} + max_new_tokens={sampling.max_new_tokens} exceeds "
-                f"max_seq_len={self.max_seq_len}"
-            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        request = Request(
-            request_id=request_id, prompt=prompt, sampling=sampling, retention=as_retention_config(retention),
-            cache_salt=cache_salt, lora_id=lora_id, mm_items=tuple(mm_items), submit_time=time.perf_counter(),
+        stop = None if sampling.ignore_eos else (
+            sampling.stop_token_id if sampling.stop_token_id is not None else self.model.config.eos_ids[0]
         )
-        self.requests[request_id] = request
-        self.waiting.append(request)
+        sched = SchedulerRequest(
+            request_id=request_id, prompt_token_ids=prompt, max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=stop, retention=as_retention_config(retention), cache_salt=cache_salt,
+            lora_id=lora_id, mm_items=tuple(mm_items),
+        )
+        self.scheduler.add(sched)
+        self.requests[request_id] = RequestRecord(sched=sched, sampling=sampling, submit_time=time.perf_counter())
         return request_id
 
     # ------------------------------------------------------------------ stepping
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     def step(self) -> list[tuple[str, int]]:
         """One engine iteration; returns the (request_id, token) pairs generated."""
-        budget = self.scheduler_config.max_num_tokens
-        decodes = [r for r in self.running if not r.in_prefill]
-        decodes = self._reserve_decodes(decodes)
-        budget -= len(decodes)
-        prefills = self._schedule_prefills(budget)
+        plan = self.scheduler.schedule()
+        for rid in plan.preempted:
+            record = self.requests[rid]
+            record.num_preemptions += 1
+            record.logits.clear()
+            record.first_token_time = None
         self._execute_page_ops()
-        emitted: list[tuple[str, int]] = []
-        for request, size in prefills:
-            emitted += self._run_prefill(request, size)
+        sampled: dict[str, int] = {}
+        prefills = [w for w in plan.scheduled if w.is_prefill]
+        decodes = [w for w in plan.scheduled if not w.is_prefill]
+        for work in prefills:
+            sampled.update(self._run([work], "prefill"))
         if decodes:
-            emitted += self._run_decode(decodes)
-        return emitted
+            sampled.update(self._run(decodes, "decode"))
+        now = time.perf_counter()
+        for rid in sampled:
+            record = self.requests[rid]
+            if record.first_token_time is None:
+                record.first_token_time = now
+        for rid in self.scheduler.finish_step(sampled):
+            self.requests[rid].finished = True
+            self.requests[rid].finish_time = now
+        return list(sampled.items())
 
     def run(self) -> list[RequestOutput]:
         """Steps until every submitted request has finished; outputs in submission order."""
-        pending = [r.request_id for r in self.requests.values() if not r.finished]
+        pending = [rid for rid, r in self.requests.items() if not r.finished]
         while self.has_work:
             self.step()
         return [self.output(rid) for rid in pending]
@@ -247,116 +234,17 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         r = self.requests[request_id]
+        output = list(r.sched.output_token_ids)
+        reason = None
+        if r.finished:
+            reason = "stop" if output and output[-1] == r.sched.eos_token_id else "length"
         return RequestOutput(
-            request_id=r.request_id, prompt=r.prompt, output=list(r.output), finish_reason=r.finish_reason,
-            num_reused_tokens=r.num_reused,
+            request_id=request_id, prompt=list(r.sched.prompt_token_ids), output=output, finish_reason=reason,
+            num_reused_tokens=r.sched.num_reused_tokens,
             ttft_s=None if r.first_token_time is None else r.first_token_time - r.submit_time,
             latency_s=None if r.finish_time is None else r.finish_time - r.submit_time,
             logits=list(r.logits),
         )
-
-    # ------------------------------------------------------------------ scheduling
-
-    def _reserve_decodes(self, decodes: list[Request]) -> list[Request]:
-        """Makes room for one more token per decoding request, preempting the newest if needed."""
-        kept = []
-        for request in sorted(decodes, key=lambda r: r.submit_time)[: self.scheduler_config.max_batch_size]:
-            while True:
-                try:
-                    self.manager.allocate(request.request_id, request.num_computed + 1)
-                    kept.append(request)
-                    break
-                except OutOfPagesError:
-                    victim = max((r for r in self.running if r is not request), key=lambda r: r.submit_time, default=None)
-                    if victim is None:
-                        raise
-                    self._preempt(victim)
-                    if victim in kept:
-                        kept.remove(victim)
-        return kept
-
-    def _preempt(self, request: Request) -> None:
-        """Frees a running request's pages; it re-enters the queue with its tokens so far."""
-        self.manager.free_request(request.request_id)
-        self.running.remove(request)
-        request.num_computed = 0
-        request.num_preemptions += 1
-        self.waiting.appendleft(request)
-
-    def _admit(self, request: Request) -> bool:
-        tokens = request.tokens
-        try:
-            reused = self.manager.add_request(
-                request.request_id, tokens, retention=request.retention, cache_salt=request.cache_salt,
-                lora_id=request.lora_id, mm_items=request.mm_items,
-            )
-        except OutOfPagesError:
-            return False
-        request.num_computed = reused
-        if request.num_preemptions == 0:
-            request.num_reused = reused
-        self.running.append(request)
-        return True
-
-    def _in_flight_first_keys(self) -> set:
-        return {
-            self.manager.first_block_key(r.prompt, cache_salt=r.cache_salt, lora_id=r.lora_id, mm_items=r.mm_items)
-            for r in self.running
-            if r.in_prefill
-        }
-
-    def _schedule_prefills(self, budget: int) -> list[tuple[Request, int]]:
-        """Chooses prefill chunks under ``budget`` tokens: running prefills first, then admissions.
-
-        With prefix-aware scheduling, a waiting request whose first block duplicates one
-        being prefilled waits a step (it will then reuse those blocks), and admissions are
-        charged only for their non-reusable tokens."""
-        sched = self.scheduler_config
-        chunks: list[tuple[Request, int]] = []
-        for request in self.running:
-            if request.in_prefill and budget > 0:
-                size = min(request.prefill_target - request.num_computed, sched.prefill_chunk_size, budget)
-                if self._grow(request, size):
-                    chunks.append((request, size))
-                    budget -= size
-        deferred = []
-        in_flight = self._in_flight_first_keys() if sched.enable_prefix_aware_scheduling else set()
-        while self.waiting and budget > 0 and len(self.running) < sched.max_batch_size:
-            request = self.waiting[0]
-            if sched.enable_prefix_aware_scheduling:
-                key = self.manager.first_block_key(request.prompt, cache_salt=request.cache_salt,
-                                                   lora_id=request.lora_id, mm_items=request.mm_items)
-                if key is not None and key in in_flight:
-                    deferred.append(self.waiting.popleft())
-                    continue
-                cost = len(request.tokens) - self.manager.estimate_reusable_tokens(
-                    request.tokens, cache_salt=request.cache_salt, lora_id=request.lora_id, mm_items=request.mm_items)
-            else:
-                cost = len(request.tokens)
-            if cost > budget and chunks:
-                break
-            if not self._admit(request):
-                break
-            self.waiting.popleft()
-            size = min(request.prefill_target - request.num_computed, sched.prefill_chunk_size, budget)
-            if not self._grow(request, size):
-                break
-            chunks.append((request, size))
-            budget -= size
-            if sched.enable_prefix_aware_scheduling:
-                in_flight = self._in_flight_first_keys()
-        self.waiting.extendleft(reversed(deferred))
-        return chunks
-
-    def _grow(self, request: Request, size: int) -> bool:
-        try:
-            self.manager.allocate(request.request_id, request.num_computed + size)
-            return True
-        except OutOfPagesError:
-            if request.num_computed == 0 or len(self.running) > 1:
-                self._preempt(request)
-                return False
-            raise
 
     # ------------------------------------------------------------------ execution
 
@@ -388,94 +276,62 @@ class Engine:
         else:
             raise ValueError(f"page op kind={kind!r} must be 'copy', 'offload' or 'onboard'")
 
-    def _block_tables(self, requests: Sequence[Request], num_rows: int, width: int) -> tuple[jax.Array, ...]:
+    def _block_tables(self, works: Sequence[ScheduledRequest], num_rows: int, width: int) -> tuple[jax.Array, ...]:
         tables = []
         for g in range(self.layout.num_groups):
             table = np.full((num_rows, width), NULL_PAGE, np.int32)
-            for i, r in enumerate(requests):
-                pages = self.manager.block_table(r.request_id, g)
+            for i, w in enumerate(works):
+                pages = self.manager.block_table(w.request_id, g)
                 table[i, : len(pages)] = pages
             tables.append(jnp.asarray(table))
         return tuple(tables)
 
-    def _forward(self, requests: Sequence[Request], tokens: np.ndarray, positions: np.ndarray, lengths: np.ndarray, logits_mode: str):
+    def _run(self, works: Sequence[ScheduledRequest], phase: str) -> dict[str, int]:
+        """One forward over ``works`` (one prefill chunk, or a batch of decodes); samples
+        the rows that sample and returns their tokens."""
+        start = time.perf_counter()
+        rows = bucket(len(works))
+        t = bucket(max(len(w.token_ids) for w in works), 16 if phase == "prefill" else 1)
+        tokens = np.zeros((rows, t), np.int32)
+        positions = np.full((rows, t), -1, np.int32)
+        lengths = np.zeros(rows, np.int32)
+        for i, w in enumerate(works):
+            n = len(w.token_ids)
+            tokens[i, :n] = w.token_ids
+            positions[i, :n] = np.arange(w.start, w.start + n)
+            lengths[i] = w.start + n
         width = bucket(self.layout.pages_for(int(lengths.max())), 4)
-        tables = self._block_tables(requests, tokens.shape[0], width)
+        tables = self._block_tables(works, rows, width)
+        samples = any(w.samples for w in works)
         logits, self.pool = forward(
             self.model.params, self.pool, jnp.asarray(tokens), jnp.asarray(positions), tables, jnp.asarray(lengths),
-            cfg=self.model.config, layout=self.layout, logits_mode=logits_mode, attn_impl=self.attn_impl,
+            cfg=self.model.config, layout=self.layout, logits_mode="last" if samples else "none", attn_impl=self.attn_impl,
         )
-        return logits
-
-    def _run_prefill(self, request: Request, size: int) -> list[tuple[str, int]]:
-        start = time.perf_counter()
-        t = bucket(size, 16)
-        tokens = np.zeros((1, t), np.int32)
-        positions = np.full((1, t), -1, np.int32)
-        begin = request.num_computed
-        tokens[0, :size] = request.tokens[begin : begin + size]
-        positions[0, :size] = np.arange(begin, begin + size)
-        lengths = np.array([begin + size], np.int32)
-        done = begin + size == request.prefill_target and not request.output
-        logits = self._forward([request], tokens, positions, lengths, "last" if done else "none")
-        self.manager.commit_tokens(request.request_id, request.tokens[begin : begin + size])
-        request.num_computed = begin + size
-        emitted = self._sample_and_append([request], logits) if done else []
+        sampled = self._sample(works, logits) if samples else {}
         jax.block_until_ready(self.pool.k[0])
-        self.timings["prefill_s"] += time.perf_counter() - start
-        self.timings["prefill_tokens"] += size
-        return emitted
+        self.timings[f"{phase}_s"] += time.perf_counter() - start
+        self.timings[f"{phase}_tokens"] += sum(len(w.token_ids) for w in works)
+        self.timings[f"{phase}_steps"] += 1
+        return sampled
 
-    def _run_decode(self, requests: list[Request]) -> list[tuple[str, int]]:
-        start = time.perf_counter()
-        s = bucket(len(requests))
-        tokens = np.zeros((s, 1), np.int32)
-        positions = np.full((s, 1), -1, np.int32)
-        lengths = np.zeros(s, np.int32)
-        for i, r in enumerate(requests):
-            tokens[i, 0] = r.tokens[r.num_computed]
-            positions[i, 0] = r.num_computed
-            lengths[i] = r.num_computed + 1
-        logits = self._forward(requests, tokens, positions, lengths, "last")
-        for r in requests:
-            self.manager.commit_tokens(r.request_id, [r.tokens[r.num_computed]])
-            r.num_computed += 1
-        emitted = self._sample_and_append(requests, logits)
-        self.timings["decode_s"] += time.perf_counter() - start
-        self.timings["decode_tokens"] += len(requests)
-        self.timings["decode_steps"] += 1
-        return emitted
-
-    def _sample_and_append(self, requests: Sequence[Request], logits: jax.Array) -> list[tuple[str, int]]:
+    def _sample(self, works: Sequence[ScheduledRequest], logits: jax.Array) -> dict[str, int]:
         s = logits.shape[0]
         temperature = np.zeros(s, np.float32)
         top_p = np.ones(s, np.float32)
         seeds = np.zeros(s, np.int32)
         counters = np.zeros(s, np.int32)
-        for i, r in enumerate(requests):
-            temperature[i], top_p[i], seeds[i], counters[i] = r.sampling.temperature, r.sampling.top_p, r.sampling.seed, len(r.output)
+        for i, w in enumerate(works):
+            r = self.requests[w.request_id]
+            temperature[i], top_p[i] = r.sampling.temperature, r.sampling.top_p
+            seeds[i], counters[i] = r.sampling.seed, len(r.sched.output_token_ids)
         tokens = np.asarray(sample(logits, jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds), jnp.asarray(counters)))
-        now = time.perf_counter()
-        host_logits = np.asarray(logits) if any(r.sampling.return_logits for r in requests) else None
-        emitted = []
-        for i, r in enumerate(requests):
-            token = int(tokens[i])
-            r.output.append(token)
-            if host_logits is not None and r.sampling.return_logits:
-                r.logits.append(host_logits[i])
-            emitted.append((r.request_id, token))
-            if r.first_token_time is None:
-                r.first_token_time = now
-            stops = r.sampling.stop_token_ids if r.sampling.stop_token_ids is not None else self.model.config.eos_ids
-            if not r.sampling.ignore_eos and token in stops:
-                self._finish(r, "stop", now)
-            elif len(r.output) >= r.sampling.max_new_tokens:
-                self._finish(r, "length", now)
-        return emitted
-
-    def _finish(self, request: Request, reason: str, now: float) -> None:
-        request.finished = True
-        request.finish_reason = reason
-        request.finish_time = now
-        self.running.remove(request)
-        self.manager.free_request(request.request_id)
+        wants_logits = [self.requests[w.request_id].sampling.return_logits for w in works]
+        host_logits = np.asarray(logits) if any(wants_logits) else None
+        sampled = {}
+        for i, w in enumerate(works):
+            if not w.samples:
+                continue
+            sampled[w.request_id] = int(tokens[i])
+            if wants_logits[i]:
+                self.requests[w.request_id].logits.append(host_logits[i])
+        return sampled

@@ -17,7 +17,7 @@ class SamplingParams:
       temperature: 0 = greedy; > 0 scales logits before sampling.
       top_p: nucleus mass in (0, 1]; 1 = no truncation.
       seed: per-request sampling seed (the i-th token uses fold_in(seed, i)).
-      stop_token_ids: tokens that end generation; None = the model's EOS ids.
+      stop_token_id: the token that ends generation; None = the model's EOS.
       ignore_eos: generate exactly max_new_tokens.
       return_logits: keep each generated position's logits [V] (float32) on the host.
     """
@@ -26,7 +26,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    stop_token_ids: tuple[int, ...] | None = None
+    stop_token_id: int | None = None
     ignore_eos: bool = False
     return_logits: bool = False
 

@@ -1,0 +1,99 @@
+"""The engine end to end on the real model: batching, prefix reuse, offload/onboard,
+preemption under memory pressure, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax.config import KvCacheConfig, SchedulerConfig
+from kvjax.engine import Engine
+from kvjax.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, return_logits=True)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2, reference_text):
+    ids = smollm2.tokenizer.encode(reference_text)
+    return [ids[:150], ids[100:230], ids[200:300]]
+
+
+def make_engine(model, max_seq_len: int = 512, **kv) -> Engine:
+    kv = {"tokens_per_block": 16, "max_tokens": 2048, **kv}
+    scheduler = SchedulerConfig(max_num_tokens=512, prefill_chunk_size=128)
+    return Engine(model, KvCacheConfig(**kv), scheduler, max_seq_len=max_seq_len)
+
+
+def test_batched_equals_one_at_a_time(smollm2, prompts):
+    batched = make_engine(smollm2, enable_block_reuse=False).generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, batched):
+        [alone] = make_engine(smollm2, enable_block_reuse=False).generate([prompt], GREEDY)
+        assert out.output == alone.output
+        assert rel_err(np.stack(out.logits), np.stack(alone.logits)) < 1e-4
+
+
+def test_prefix_reuse_gives_cold_logits(smollm2, prompts):
+    engine = make_engine(smollm2)
+    [cold] = engine.generate([prompts[0]], GREEDY)
+    [warm] = engine.generate([prompts[0] + [13, 14]], GREEDY)
+    [fresh] = make_engine(smollm2).generate([prompts[0] + [13, 14]], GREEDY)
+    assert cold.num_reused_tokens == 0
+    assert warm.num_reused_tokens == 144  # 9 full blocks of 16 of the 150-token prompt
+    assert warm.output == fresh.output
+    assert rel_err(np.stack(warm.logits), np.stack(fresh.logits)) < 1e-5
+
+
+def test_offload_and_onboard_keep_logits(smollm2, prompts):
+    # 20 device pages of 16 tokens: the second and third prompts evict the first one's
+    # blocks, which go to the host tier and come back when the first prompt repeats.
+    page_bytes = smollm2.config.num_layers * 2 * 16 * 3 * 64 * 4
+    engine = make_engine(smollm2, max_seq_len=256, max_tokens=16 * 20, host_cache_size=64 * page_bytes)
+    [first] = engine.generate([prompts[0]], GREEDY)
+    engine.generate([prompts[1]], GREEDY)
+    engine.generate([prompts[2]], GREEDY)
+    stats = engine.manager.stats
+    assert stats.offloaded_pages > 0
+    [again] = engine.generate([prompts[0]], GREEDY)
+    assert engine.manager.stats.onboarded_pages > 0
+    assert again.num_reused_tokens > 0
+    assert again.output == first.output
+    assert rel_err(np.stack(again.logits), np.stack(first.logits)) < 1e-5
+
+
+def test_preemption_under_memory_pressure_keeps_outputs(smollm2, prompts):
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    roomy = make_engine(smollm2, enable_block_reuse=False).generate(prompts, sampling)
+    tight = make_engine(smollm2, max_seq_len=256, enable_block_reuse=False, max_tokens=16 * 20)
+    outs = tight.generate(prompts, sampling)
+    assert sum(tight.requests[o.request_id].num_preemptions for o in outs) > 0
+    assert [o.output for o in outs] == [o.output for o in roomy]
+
+
+def test_bad_input_is_rejected_without_side_effects(smollm2):
+    engine = make_engine(smollm2)
+    with pytest.raises(ValueError, match="must not be empty"):
+        engine.submit([])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 49152\)"):
+        engine.submit([1, 2, 49152])
+    with pytest.raises(ValueError, match="exceeds max_seq_len=512"):
+        engine.submit([1] * 500, SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be an int >= 1"):
+        SamplingParams(max_new_tokens=0)
+    rid = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.submit([4, 5], request_id=rid)
+    assert [r.request_id for r in engine.scheduler.waiting] == [rid]
+    [out] = engine.run()
+    assert len(out.output) == 2
+
+
+def test_stream_yields_the_generated_tokens(smollm2, prompts):
+    engine = make_engine(smollm2)
+    streamed = list(engine.stream(prompts[2], SamplingParams(max_new_tokens=5, ignore_eos=True)))
+    [rid] = list(engine.requests)
+    assert streamed == engine.output(rid).output
