@@ -187,21 +187,31 @@ class Blender:
         tok, pos = self._padded_span(tokens[exact:], exact, self.padded(len(tokens) - exact))
         return self._forward(tok, pos, len(tokens), "last")[0]
 
-    def blend(self, prompt: BlendPrompt, selection: Selection, num_probes: int = 0) -> tuple[jax.Array, dict | None]:
+    def blend(
+        self,
+        prompt: BlendPrompt,
+        selection: Selection,
+        num_probes: int = 0,
+        reused: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, dict | None]:
         """Blended prefill with ``selection``; returns (logits [V], trace or None).
 
-        With ``num_probes`` > 0 the trace follows the first ``num_probes`` suffix tokens.
+        Args:
+          num_probes: > 0 traces the first ``num_probes`` suffix tokens (``BlendPlan``).
+          reused: KV [L, padded, K, d] at the actual positions to use instead of the store's
+            (e.g. the full-recompute KV, for a reference trace of the suffix).
         """
         roles = prompt.roles
         padded = self.padded(roles.num_tokens)
         tok, pos = self._padded_span(prompt.tokens, 0, padded)
-        k, v = self.reused_kv(prompt, padded)
+        k, v = self.reused_kv(prompt, padded) if reused is None else reused
+        deltas = self.deltas(prompt, padded) if reused is None else np.zeros(padded, np.int32)
         selectable, forced = roles.masks(padded)
         probes = np.full(num_probes, -1, np.int32)
         suffix_pos = np.arange(roles.suffix_start, roles.num_tokens)[:num_probes]
         probes[: len(suffix_pos)] = suffix_pos
         inputs = BlendInputs(
-            tokens=tok, positions=pos, reused_k=k, reused_v=v, deltas=self.deltas(prompt, padded),
+            tokens=tok, positions=pos, reused_k=k, reused_v=v, deltas=deltas,
             selectable=selectable, forced=forced, rows=selection.rows, rows_valid=selection.rows_valid,
             counts=selection.counts, block_table=self.table[None], length=np.asarray([roles.num_tokens], np.int32),
             probes=probes,

@@ -104,3 +104,21 @@ def test_teacher_forcing_after_exact_blend_matches_decode(setup):
     blender.blend(prompt, selection.select_all(prompt.roles, 64))
     forced = np.asarray(blender.teacher_force(n, np.asarray([int(np.argmax(full)), *cont])))
     assert rel_err(forced, ref[:6]) < RTOL
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_pipelined_blend_equals_blend(tiny, tmp_path, tier):
+    from kvjax.blend.pipeline import pipelined_blend
+
+    cfg, params = tiny
+    prompt = random_prompt(np.random.default_rng(5), cfg.vocab_size, 6, [30, 25, 40], 5)
+    blender = make_blender(cfg, params, prompt, tier=tier, tmp_path=tmp_path)
+    config = selection.SelectionConfig(recompute_ratio=0.25, check_layers=(1, 2), budgets=(2.0, 1.0), row_bucket=8)
+    sel = selection.select_cacheblend(prompt.roles, config, blender.padded(prompt.roles.num_tokens), cfg.num_layers)
+    ref, _ = blender.blend(prompt, sel)
+    ref_kv = [np.asarray(a) for a in blender.kv(prompt.roles.num_tokens)]
+    logits, report = pipelined_blend(blender, prompt, sel)
+    assert rel_err(logits, ref) < RTOL
+    kv = blender.kv(prompt.roles.num_tokens)
+    assert rel_err(kv[0], ref_kv[0]) < RTOL and rel_err(kv[1], ref_kv[1]) < RTOL
+    assert 0.0 <= report.overlap <= 1.0 and report.load_total > 0 and report.compute_total > 0

@@ -1,0 +1,146 @@
+"""Quality and cost of a KV-reuse policy, measured against full recompute (SPEC C8).
+
+Host-side numpy functions over arrays read back from the device:
+
+  deviations   per token and layer KV deviation, its concentration (share held by the top
+               tokens), adjacent-layer Spearman correlation, attention deviation of rows;
+  outputs      KL of next-token distributions along a teacher-forced continuation, top-1
+               agreement, first divergence;
+  selection    recall against an oracle set;
+  cost         recomputed FLOP fraction;
+  statistics   percentile bootstrap intervals over prompts (paired when comparing policies).
+
+Shapes: L = layers, T = tokens, K = kv heads, d = head_dim, N = continuation tokens, V = vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+from kvjax.model.config import ModelConfig
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """KL(P_ref || P) per position: [N, V] x2 -> [N] (nats)."""
+    lp, lq = log_softmax(ref_logits), log_softmax(logits)
+    return np.sum(np.exp(lp) * (lp - lq), axis=-1)
+
+
+def top1_agreement(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """[N] bool: the argmax tokens agree."""
+    return np.argmax(ref_logits, axis=-1) == np.argmax(logits, axis=-1)
+
+
+def first_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> int:
+    """First position whose argmax differs; N if none (greedy decoding follows the reference
+    exactly up to this position)."""
+    differ = np.flatnonzero(~top1_agreement(ref_logits, logits))
+    return int(differ[0]) if len(differ) else int(ref_logits.shape[0])
+
+
+def kv_deviation(k: np.ndarray, v: np.ndarray, k_ref: np.ndarray, v_ref: np.ndarray, kind: str = "kv") -> np.ndarray:
+    """Squared L2 deviation per layer and token, summed over heads and head_dim.
+
+    Args:
+      k, v, k_ref, v_ref: [L, T, K, d].
+      kind: "k", "v" or "kv".
+
+    Returns:
+      [L, T] float64.
+    """
+    dk = np.sum(np.square(np.asarray(k, np.float64) - k_ref), axis=(-2, -1))
+    dv = np.sum(np.square(np.asarray(v, np.float64) - v_ref), axis=(-2, -1))
+    return {"k": dk, "v": dv, "kv": dk + dv}[kind]
+
+
+def relative_kv_deviation(dev: np.ndarray, k_ref: np.ndarray, v_ref: np.ndarray) -> np.ndarray:
+    """``dev`` [L, T] divided by each layer's mean squared K+V norm over the tokens."""
+    norm = np.mean(np.sum(np.square(k_ref, dtype=np.float64), axis=(-2, -1)) + np.sum(np.square(v_ref, dtype=np.float64), axis=(-2, -1)), axis=1)
+    return dev / np.maximum(norm, 1e-30)[:, None]
+
+
+def top_share(dev: np.ndarray, fraction: float = 0.15) -> np.ndarray:
+    """Share of each layer's total deviation held by its top ``fraction`` of tokens: [L, T] -> [L]."""
+    n = max(1, int(np.ceil(fraction * dev.shape[1])))
+    top = -np.sort(-dev, axis=1)[:, :n]
+    return top.sum(axis=1) / np.maximum(dev.sum(axis=1), 1e-30)
+
+
+def adjacent_layer_spearman(dev: np.ndarray) -> np.ndarray:
+    """Spearman rank correlation of token deviations between layers l and l+1: [L, T] -> [L-1]."""
+    return np.asarray([scipy_stats.spearmanr(dev[i], dev[i + 1]).statistic for i in range(dev.shape[0] - 1)])
+
+
+def attention_deviation(attn: np.ndarray, attn_ref: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Relative L2 deviation of rows' attention outputs per layer.
+
+    Args:
+      attn, attn_ref: [L, P, H*d]; valid: [P] rows to include.
+
+    Returns:
+      [L]: mean over valid rows of ||attn - attn_ref|| / ||attn_ref||.
+    """
+    a, r = np.asarray(attn, np.float64)[:, valid], np.asarray(attn_ref, np.float64)[:, valid]
+    return np.mean(np.linalg.norm(a - r, axis=-1) / np.maximum(np.linalg.norm(r, axis=-1), 1e-30), axis=1)
+
+
+def recall(selected: Sequence[int] | np.ndarray, oracle: Sequence[int] | np.ndarray) -> float:
+    """|selected ∩ oracle| / |oracle| (1.0 for an empty oracle)."""
+    oracle = set(np.asarray(oracle).tolist())
+    if not oracle:
+        return 1.0
+    return len(oracle & set(np.asarray(selected).tolist())) / len(oracle)
+
+
+def layer_flops(cfg: ModelConfig, rows: np.ndarray, positions: np.ndarray, qkv_only: np.ndarray | None = None) -> float:
+    """FLOPs of one layer over ``rows`` (bool [T]) at ``positions`` [T], causal attention included.
+
+    Args:
+      qkv_only: [T] bool rows that only got their q/k/v projected (dropped at a check layer).
+    """
+    d, h, kv, ffn = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_dim
+    qkv = 2 * d * cfg.head_dim * (h + 2 * kv)
+    rest = 2 * h * cfg.head_dim * d + 2 * 3 * d * ffn
+    attn = 4 * h * cfg.head_dim * (positions[rows] + 1).sum()
+    flops = rows.sum() * (qkv + rest) + attn
+    if qkv_only is not None:
+        flops += qkv_only.sum() * qkv
+    return float(flops)
+
+
+def recompute_flop_fraction(cfg: ModelConfig, recomputed: np.ndarray, num_tokens: int, qkv_checks: Sequence[int] = ()) -> float:
+    """FLOPs of a (partial) prefill over those of the full prefill.
+
+    Args:
+      recomputed: [L, T] bool rows computed at each layer.
+      num_tokens: prompt tokens (full prefill computes all of them in every layer).
+      qkv_checks: check layers, where the previous layer's rows got q/k/v before narrowing.
+    """
+    positions = np.arange(recomputed.shape[1])
+    full_rows = positions < num_tokens
+    full = cfg.num_layers * layer_flops(cfg, full_rows, positions)
+    part = 0.0
+    for layer in range(cfg.num_layers):
+        dropped = recomputed[layer - 1] & ~recomputed[layer] if layer in qkv_checks else None
+        part += layer_flops(cfg, recomputed[layer], positions, dropped)
+    return part / full
+
+
+def bootstrap_ci(values: Sequence[float] | np.ndarray, *, num: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap of the mean over the given units (prompts)."""
+    x = np.asarray(values, np.float64)
+    if len(x) == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), (num, len(x)))].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(x.mean()), float(lo), float(hi)
