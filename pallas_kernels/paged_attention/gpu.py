@@ -136,8 +136,7 @@ def paged_attention(
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
     tuned = block_sizes("gpu", "decode")
-    if pages_per_block is None:
-        pages_per_block = min(tuned.pages_per_block(page_size), pl.next_power_of_2(pages_per_seq))
+    pages_per_block = tuned.pages_per_block(page_size) if pages_per_block is None else pages_per_block
     check_gpu_shapes(page_size, head_dim, pages_per_block)
     num_blocks = pl.cdiv(pages_per_seq, pages_per_block)
     if k_splits is None:

@@ -4,8 +4,8 @@ Grid ``(num_seqs, num_kv_heads, num_query_blocks)``; each program owns ``block_q
 times the (power-of-two padded) query heads of one KV head and loops over the KV blocks its
 rows can see, gathering ``pages_per_block`` pages per step straight from the pool through
 the block table. Triton wants power-of-two tensor sizes, so ``page_size`` and ``head_dim``
-must be powers of two; query heads per KV head are padded to one, and rows to at least 16
-(the smallest ``tl.dot``).
+must be powers of two, ``head_dim`` and a KV block at least 16 (the smallest ``tl.dot``);
+query heads per KV head are padded to a power of two, and rows to at least 16.
 
 Written for Pallas Triton (``pallas_call`` + ``plgpu.CompilerParams``) because it runs on
 CPU with ``interpret=True``; the Mosaic GPU interpreter cannot yet run a gather of pages.
@@ -33,10 +33,17 @@ def is_power_of_two(n: int) -> bool:
 
 
 def check_gpu_shapes(page_size: int, head_dim: int, pages_per_block: int) -> None:
-    """Raises ValueError unless the sizes Triton tiles over are powers of two."""
+    """Raises ValueError unless Triton can tile the sizes: powers of two, dot dims >= 16."""
     for name, value in (("page_size", page_size), ("head_dim", head_dim), ("pages_per_block", pages_per_block)):
         if not is_power_of_two(value):
             raise ValueError(f"{name}={value} must be a power of two for the Triton GPU kernel")
+    if head_dim < MIN_DOT_ROWS:
+        raise ValueError(f"{head_dim=} must be >= {MIN_DOT_ROWS} (smallest tl.dot) for the Triton GPU kernel")
+    if pages_per_block * page_size < MIN_DOT_ROWS:
+        raise ValueError(
+            f"{pages_per_block=} times {page_size=} must be >= {MIN_DOT_ROWS} (smallest tl.dot) "
+            "for the Triton GPU kernel"
+        )
 
 
 def _kernel(
@@ -134,8 +141,7 @@ def partial_attention(
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     tuned = block_sizes("gpu", "partial")
     block_q = tuned.block_q if block_q is None else block_q
-    if pages_per_block is None:
-        pages_per_block = min(tuned.pages_per_block(page_size), pl.next_power_of_2(page_indices.shape[1]))
+    pages_per_block = tuned.pages_per_block(page_size) if pages_per_block is None else pages_per_block
     check_gpu_shapes(page_size, head_dim, pages_per_block)
     if not is_power_of_two(block_q):
         raise ValueError(f"{block_q=} must be a power of two")

@@ -51,7 +51,7 @@ def run_case(kernel: str, *, seed: int, page_size: int, heads: tuple[int, int], 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize(
     ("page_size", "heads", "dtype"),
-    list(itertools.product([4, 8], HEADS, [jnp.float32, jnp.bfloat16])),
+    [*itertools.product([4, 8], HEADS, [jnp.float32]), *itertools.product([8], HEADS, [jnp.bfloat16])],
     ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
 )
 def test_matches_reference(kernel, page_size, heads, dtype):
@@ -74,15 +74,15 @@ def test_window_and_soft_cap(kernel, options):
     run_case(kernel, seed=7, page_size=4, heads=(6, 3), dtype=jnp.float32, **options)
 
 
-@pytest.mark.parametrize(("kernel", "blocking"), [
-    ("tpu", {"pages_per_block": 1}),
-    ("tpu", {"pages_per_block": 3}),
-    ("gpu", {"pages_per_block": 1, "k_splits": 4}),
-    ("gpu", {"pages_per_block": 2, "k_splits": 2}),
-    ("gpu", {"pages_per_block": 4, "k_splits": 1}),
+@pytest.mark.parametrize(("kernel", "page_size", "blocking"), [
+    ("tpu", 4, {"pages_per_block": 1}),
+    ("tpu", 4, {"pages_per_block": 3}),
+    ("gpu", 16, {"pages_per_block": 1, "k_splits": 4}),
+    ("gpu", 8, {"pages_per_block": 2, "k_splits": 2}),
+    ("gpu", 4, {"pages_per_block": 4, "k_splits": 1}),
 ])
-def test_block_sizes(kernel, blocking):
-    run_case(kernel, seed=11, page_size=4, heads=(8, 1), dtype=jnp.float32, sliding_window=6, **blocking)
+def test_block_sizes(kernel, page_size, blocking):
+    run_case(kernel, seed=11, page_size=page_size, heads=(8, 1), dtype=jnp.float32, sliding_window=6, **blocking)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -98,6 +98,15 @@ def test_jits_inside_caller(kernel):
         q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths, inputs.page_indices, sm_scale=0.25
     )
     assert_close(step(q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices), expected)
+
+
+def test_gpu_rejects_blocks_below_dot_size():
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, page_size=4, pages_per_seq=2)
+    with pytest.raises(ValueError, match="pages_per_block=2 times page_size=4 must be >= 16"):
+        gpu.paged_attention(
+            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
+            sm_scale=1.0, pages_per_block=2, interpret=True,
+        )
 
 
 def test_gpu_rejects_non_power_of_two_pages():
