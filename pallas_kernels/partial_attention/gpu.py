@@ -7,8 +7,10 @@ the block table. Triton wants power-of-two tensor sizes, so ``page_size`` and ``
 must be powers of two, ``head_dim`` and a KV block at least 16 (the smallest ``tl.dot``);
 query heads per KV head are padded to a power of two, and rows to at least 16.
 
-Written for Pallas Triton (``pallas_call`` + ``plgpu.CompilerParams``) because it runs on
-CPU with ``interpret=True``; the Mosaic GPU interpreter cannot yet run a gather of pages.
+Written for Pallas Triton (``pallas_call`` + ``plgpu.CompilerParams``), which upstream has
+deprecated in favour of Mosaic GPU, because it runs on CPU under the generic Pallas
+interpreter (``interpret=True``). A Mosaic GPU port (TMA page copies, warpgroup matmuls)
+would keep this signature.
 """
 
 from __future__ import annotations

@@ -61,14 +61,15 @@ def _kernel(
     first_block = kv_start // block_k
     end_block = jnp.where(kv_end > kv_start, pl.cdiv(kv_end, block_k), first_block)
 
-    def block_copies(kv_block, slot):
+    def block_copies(kv_block, slot) -> list:
+        """The page DMAs of KV block ``kv_block`` into buffer ``slot`` (K then V per page)."""
         copies = []
         for j in range(pages_per_block):
             page = page_indices_ref[seq * pages_per_seq_pad + kv_block * pages_per_block + j]
-            for which, hbm_ref, vmem_buffer in ((0, k_pages_hbm_ref, k_vmem_buffer), (1, v_pages_hbm_ref, v_vmem_buffer)):
-                copies.append(
-                    pltpu.make_async_copy(hbm_ref.at[page, :, head, :], vmem_buffer.at[slot, j], sems.at[which, slot])
-                )
+            pairs = ((k_pages_hbm_ref, k_vmem_buffer), (v_pages_hbm_ref, v_vmem_buffer))
+            for which, (hbm_ref, vmem_buffer) in enumerate(pairs):
+                src = hbm_ref.at[page, :, head, :]  # [page_size, head_dim]
+                copies.append(pltpu.make_async_copy(src, vmem_buffer.at[slot, j], sems.at[which, slot]))
         return copies
 
     @pl.when(first_block < end_block)
