@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.top_p = 1.0  # nucleus sampling mass (with temperature > 0)
     config.seed = 0  # sampling seed
     config.repeats = 3  # timed repetitions after one warm-up
+    config.max_seq_len = 4096  # longest prompt + generation
     config.kv_cache = ml_collections.ConfigDict()
     config.kv_cache.tokens_per_block = 32  # tokens per page
     config.kv_cache.max_tokens = 16384  # cache capacity in tokens (smaller of this and the memory fraction)

@@ -89,10 +89,8 @@ def locate_gguf(name: str, gguf_path: str | os.PathLike | None = None) -> pathli
         return pathlib.Path(os.environ[_env_var(name)])
     source = SOURCES[name]
     if source.filename is None:
-        module = importlib.import_module(source.module)
-        dest = cache_dir() / "gguf"
-        dest.mkdir(parents=True, exist_ok=True)
-        return pathlib.Path(module.assemble(str(dest)))
+        module = importlib.import_module(source.module)  # concatenates and sha256-checks the parts
+        return pathlib.Path(module.assemble(cache_dir() / "gguf" / module.MODEL_NAME))
     folder = _installed_dir(source.module) or _downloaded_dir(source)
     return folder / source.filename
 

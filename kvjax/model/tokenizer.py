@@ -68,11 +68,15 @@ class Tokenizer:
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def _special_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[tokenizers.AddedToken]:
+def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[tokenizers.AddedToken]:
+    """Control tokens (special: dropped when decoding with skip_special_tokens) and
+    user-defined ones (matched whole in the normalized input, as SentencePiece does, and
+    kept as text). A user-defined piece with a raw space can never match normalized text
+    (spaces become "▁"), so it is left out, as SentencePiece never emits it."""
     return [
-        tokenizers.AddedToken(tok, special=True, normalized=False)
+        tokenizers.AddedToken(tok, special=kind == _CONTROL, normalized=kind == _USER_DEFINED)
         for tok, kind in zip(tokens, types)
-        if kind in (_CONTROL, _USER_DEFINED)
+        if kind == _CONTROL or (kind == _USER_DEFINED and " " not in tok)
     ]
 
 
@@ -128,7 +132,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         backend = _spm_backend(reader, tokens, types)
     else:
         raise ValueError(f"tokenizer.ggml.model={kind!r} is not supported; supported: 'gpt2', 'llama'")
-    backend.add_special_tokens(_special_tokens(tokens, types))
+    backend.add_tokens(_added_tokens(tokens, types))
     template = field_value(reader, "tokenizer.chat_template") or ""
     chat_format = "chatml" if "<|im_start|>" in template else None
     default_system = None

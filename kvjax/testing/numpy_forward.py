@@ -30,8 +30,10 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def numpy_logits(params: Params, cfg: ModelConfig, tokens: np.ndarray, dtype: type = np.float64) -> np.ndarray:
-    """Logits [T, V] of one sequence of tokens [T] at positions 0..T-1."""
+def numpy_logits(
+    params: Params, cfg: ModelConfig, tokens: np.ndarray, dtype: type = np.float64, rows: np.ndarray | None = None
+) -> np.ndarray:
+    """Logits [T, V] of one sequence of tokens [T] at positions 0..T-1 (only ``rows`` if given)."""
     p = lambda a: np.asarray(a, dtype=dtype)  # noqa: E731
     x = p(params.embed)[np.asarray(tokens)]
     if cfg.embed_scale:
@@ -68,4 +70,6 @@ def numpy_logits(params: Params, cfg: ModelConfig, tokens: np.ndarray, dtype: ty
         if cfg.sandwich_norm:
             m = _rms(m, p(lp.post_ffn_norm), cfg.rms_eps)
         x = x + m
+    if rows is not None:
+        x = x[np.asarray(rows)]
     return _rms(x, p(params.final_norm), cfg.rms_eps) @ p(params.embed).T
