@@ -210,7 +210,11 @@ class BlockPool:
         self.stats.device_evictions += 1
         host_page = None
         if self.num_host_pages and should_offload(victim.priority, self.offload_min_priority):
+            # Making room on the host may drop the victim's last host child; the reference
+            # keeps the victim (already out of the device queue) from being queued again.
+            victim.ref_count += 1
             host_page = self._take_host_page()
+            victim.ref_count -= 1
         if host_page is None:
             self._drop(victim)
             return
@@ -352,3 +356,4 @@ class BlockPool:
         self.device_queue = EvictionQueue()
         self.host_queue = EvictionQueue()
         self.num_free_cached = 0
+        self.expiry = ExpiryQueue()

@@ -328,7 +328,6 @@ class KVCacheManager:
             raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
         if num_total_tokens <= seq.num_allocated:
             return
-        self._expire()
         num_blocks = -(-num_total_tokens // self.page_size)
         for pool, blocks in zip(self.pools, seq.blocks):
             need = num_blocks - len(blocks)
@@ -339,6 +338,7 @@ class KVCacheManager:
                     f"{pool.num_available()} of {self.num_device_pages - 1} are free or evictable; "
                     "free or preempt a request, or give the cache more pages"
                 )
+        self._expire()
         for pool, blocks in zip(self.pools, seq.blocks):
             while len(blocks) < num_blocks:
                 block = pool.new_block()
@@ -560,9 +560,7 @@ class KVCacheManager:
             partial = min(ps - 1, cap - start)
             parent = keys[num_full - 1] if num_full else root
             wanted = prompt[start : start + partial]
-            for g, pool in enumerate(self.pools):
-                if self._first_in_window(pool, start + 1) > num_full:
-                    continue
+            for g, pool in enumerate(self.pools):  # the partial block holds position L-1: every window needs it
                 hit = present[g][num_full] if num_full < len(keys) else None
                 source, count = self._partial_source(pool, hit, parent, wanted, items, start)
                 partial = min(partial, count)
@@ -575,7 +573,7 @@ class KVCacheManager:
         for g, pool in enumerate(self.pools):
             first = min(self._first_in_window(pool, num_tokens), num_full)
             gp = _GroupPlan(first, present[g][first:num_full])
-            if partial and self._first_in_window(pool, num_tokens) <= num_full:
+            if partial:
                 gp.source, gp.in_place = sources[g]
             groups.append(gp)
         return _Plan(num_tokens, num_full, partial, groups)
@@ -637,7 +635,7 @@ class KVCacheManager:
                 pool.onboard(block)
             self._set_priority(pool, block, seq, b, now)
             blocks.append(block)
-        if plan.partial_tokens and gp.source is not None:
+        if gp.source is not None:
             if gp.in_place:
                 pool.take_in_place(gp.source)
                 blocks.append(gp.source)
@@ -646,8 +644,6 @@ class KVCacheManager:
                 block.ref_count = 1
                 pool.release(gp.source, None)
                 blocks.append(block)
-        elif plan.partial_tokens:
-            blocks.append(None)
         return blocks
 
     def _set_priority(self, pool: BlockPool, block: Block, seq: _Sequence, b: int, now: float) -> None:

@@ -126,3 +126,19 @@ def test_windowed_reuse_needs_only_blocks_inside_the_window(make, run):
     assert table[:4] == [NULL_PAGE] * 4 and table[4] != NULL_PAGE
     assert all(p != NULL_PAGE for p in mgr.block_table("b", 0))
     mgr.check_consistency()
+
+
+def test_offloading_a_parent_whose_host_child_makes_room(make, run):
+    """Regression: making host room for a victim may drop the victim's own host child."""
+    mgr = make(num_device_pages=4, host=1)  # 3 usable device pages, 1 host page
+    run(mgr, "a", [1, 2, 3, 4, 5, 6, 7, 8, 0])  # parent page 1, child page 2
+    mgr.take_page_ops()
+    mgr.add_request("c", [9] * 12)
+    mgr.allocate("c", 12)  # child -> host 0; parent: host full, the child is dropped, parent -> host 0
+    assert mgr.take_page_ops() == [PageOp("offload", 0, 2, 0, 4), PageOp("offload", 0, 1, 0, 4)]
+    assert mgr.block_table("c", 0) == [3, 2, 1]
+    assert (mgr.num_cached_blocks(0, "host"), mgr.num_cached_blocks(0, "device")) == (1, 0)
+    mgr.check_consistency()
+    mgr.free_request("c")
+    assert mgr.add_request("b", [1, 2, 3, 4, 9]) == 4
+    mgr.check_consistency()

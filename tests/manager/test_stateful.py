@@ -1,0 +1,239 @@
+"""Random add/allocate/commit/rollback/free/expire sequences against a simulated engine.
+
+The simulated engine executes every PageOp on fake device and host pools and writes, for each
+committed token, a stand-in for its KV: (root key, all tokens up to and including it), which
+is exactly what a token's KV depends on. After every step:
+
+* ``check_consistency()``: no leaked or double-owned page, exact ref counts and queues,
+  consistent tree, ordered slot counts;
+* every page a live request holds contains that request's KV for its committed positions, so
+  no block in use was evicted or overwritten and every reuse (full, partial, onboarded) read
+  the right data;
+* every cached block, on either tier, holds the KV of its key's prefix;
+* stats agree with the requests.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
+from kvjax.manager import NULL_PAGE, KVCacheManager, OutOfPagesError
+from kvjax.manager.tiers import Tier
+
+PS = 4
+MAX_LEN = 48
+BASES = [(1, 2, 3, 4, 5, 6, 7, 8, 9, 10), (1, 2, 3, 4, 20, 21), (30, 31, 32, 33, 34, 35, 36, 37)]
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CacheMachine(RuleBasedStateMachine):
+    @initialize(
+        windows=st.sampled_from([(MAX_LEN,), (MAX_LEN, 8), (MAX_LEN, 5, MAX_LEN)]),
+        device_pages=st.integers(5, 12),
+        host_pages=st.sampled_from([0, 2, 6]),
+        reuse=st.sampled_from([True, True, True, False]),
+        partial=st.booleans(),
+        copy=st.booleans(),
+        offload_min=st.sampled_from([0, 35, 60]),
+    )
+    def setup(self, windows, device_pages, host_pages, reuse, partial, copy, offload_min):
+        self.clock = Clock()
+        config = KvCacheConfig(
+            tokens_per_block=PS,
+            enable_block_reuse=reuse,
+            enable_partial_reuse=partial,
+            copy_on_partial_reuse=copy,
+            host_cache_size=host_pages * 1000,
+            secondary_offload_min_priority=offload_min,
+            event_buffer_max_size=64,
+        )
+        self.mgr = KVCacheManager(
+            config,
+            layer_windows=windows,
+            num_device_pages=device_pages,
+            num_host_pages=host_pages,
+            max_seq_len=MAX_LEN,
+            clock=self.clock,
+        )
+        groups = len(self.mgr.group_windows)
+        self.device = [[[None] * PS for _ in range(device_pages)] for _ in range(groups)]
+        self.host = [[[None] * PS for _ in range(host_pages)] for _ in range(groups)]
+        self.expected: dict[bytes, tuple] = {}
+        self.next_id = 0
+
+    # ------------------------------------------------------------------ simulated engine
+
+    def _kv(self, rid: str, pos: int):
+        seq = self.mgr._sequences[rid]
+        return (seq.root, tuple(seq.tokens[: pos + 1]))
+
+    def _execute_ops(self) -> None:
+        for op in self.mgr.take_page_ops():
+            if op.kind == "offload":
+                self.host[op.group][op.dst] = list(self.device[op.group][op.src])
+            elif op.kind == "onboard":
+                self.device[op.group][op.dst] = self.host[op.group][op.src][: op.num_tokens] + [None] * (PS - op.num_tokens)
+            else:
+                assert op.src != op.dst
+                self.device[op.group][op.dst] = self.device[op.group][op.src][: op.num_tokens] + [None] * (PS - op.num_tokens)
+
+    def _live(self):
+        return list(self.mgr._sequences)
+
+    # ------------------------------------------------------------------ rules
+
+    def _write_and_commit(self, rid: str, tokens: list[int]) -> None:
+        """The forward pass writes the new tokens' KV through the block table, then commits."""
+        seq = self.mgr._sequences[rid]
+        n0 = len(seq.tokens)
+        everything = seq.tokens + tokens
+        for g in range(len(self.mgr.pools)):
+            table = self.mgr.block_table(rid, g)
+            for p in range(n0, n0 + len(tokens)):
+                page = table[p // PS]
+                assert page != NULL_PAGE, "a slot to write has no page"
+                self.device[g][page][p % PS] = (seq.root, tuple(everything[: p + 1]))
+        self.mgr.commit_tokens(rid, tokens)
+        for b, key in enumerate(seq.keys):
+            self.expected.setdefault(key, tuple(self._kv(rid, p) for p in range(b * PS, (b + 1) * PS)))
+        self._execute_ops()
+
+    def _allocate(self, rid: str, total: int) -> bool:
+        before = self.mgr.state_dict()
+        try:
+            self.mgr.allocate(rid, min(total, MAX_LEN))
+        except OutOfPagesError:
+            assert self.mgr.state_dict() == before, "a failed allocate changed the state"
+            return False
+        self._execute_ops()
+        return True
+
+    @rule(
+        base=st.sampled_from(BASES),
+        cut=st.integers(1, 10),
+        suffix=st.sampled_from([[], [0], [0, 1, 2, 3], [1, 1, 1, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3, 9]])
+        | st.lists(st.integers(0, 3), max_size=12),
+        salt=st.sampled_from([None, None, None, "tenant"]),
+        priority=st.sampled_from([None, None, 10, 34, 35, 80]),
+        duration=st.sampled_from([None, 500.0]),
+        chunk=st.sampled_from([None, 3, 5, 64]),
+    )
+    def add(self, base, cut, suffix, salt, priority, duration, chunk):
+        """Adds a request; unless ``chunk`` is None, prefills its whole prompt in chunks."""
+        prompt = list(base[:cut]) + suffix
+        retention = None
+        if priority is not None:
+            retention = KvCacheRetentionConfig((TokenRangeRetentionConfig(0, None, priority, duration),))
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        reused = self.mgr.add_request(rid, prompt, retention=retention, cache_salt=salt)
+        assert 0 <= reused <= len(prompt) - 1
+        self._execute_ops()
+        if not self._allocate(rid, len(prompt)):
+            self.mgr.free_request(rid)
+            return
+        seq = self.mgr._sequences[rid]
+        while chunk is not None and len(seq.tokens) < len(prompt):
+            n0 = len(seq.tokens)
+            self._write_and_commit(rid, prompt[n0 : n0 + chunk])
+
+    @precondition(lambda self: any(len(s.tokens) < len(s.prompt) for s in self.mgr._sequences.values()))
+    @rule(data=st.data())
+    def prefill_chunk(self, data):
+        rid = data.draw(st.sampled_from([r for r, s in self.mgr._sequences.items() if len(s.tokens) < len(s.prompt)]))
+        seq = self.mgr._sequences[rid]
+        n0 = len(seq.tokens)
+        if seq.num_allocated == n0 and not self._allocate(rid, len(seq.prompt)):
+            return
+        k = data.draw(st.integers(1, min(seq.num_allocated, len(seq.prompt)) - n0))
+        self._write_and_commit(rid, list(seq.prompt[n0 : n0 + k]))
+
+    @precondition(lambda self: any(len(s.tokens) >= len(s.prompt) for s in self.mgr._sequences.values()))
+    @rule(data=st.data(), drafts=st.integers(0, 4), token=st.integers(0, 2))
+    def decode(self, data, drafts, token):
+        """One target token plus ``drafts`` draft tokens; a random number are accepted."""
+        rid = data.draw(st.sampled_from([r for r, s in self.mgr._sequences.items() if len(s.tokens) >= len(s.prompt)]))
+        seq = self.mgr._sequences[rid]
+        n0 = len(seq.tokens)
+        if n0 >= MAX_LEN or not self._allocate(rid, n0 + 1 + drafts):
+            return
+        accepted = data.draw(st.integers(1, seq.num_allocated - n0))
+        self._write_and_commit(rid, [token] * accepted)
+        self.mgr.rollback(rid, seq.num_allocated - len(seq.tokens))
+
+    @precondition(lambda self: self.mgr._sequences)
+    @rule(data=st.data(), extra=st.integers(0, 12))
+    def allocate(self, data, extra):
+        rid = data.draw(st.sampled_from(self._live()))
+        self._allocate(rid, self.mgr._sequences[rid].num_allocated + extra)
+
+    @precondition(lambda self: self.mgr._sequences)
+    @rule(data=st.data())
+    def rollback(self, data):
+        rid = data.draw(st.sampled_from(self._live()))
+        seq = self.mgr._sequences[rid]
+        self.mgr.rollback(rid, data.draw(st.integers(0, seq.num_allocated - len(seq.tokens))))
+
+    @precondition(lambda self: self.mgr._sequences)
+    @rule(data=st.data())
+    def free(self, data):
+        self.mgr.free_request(data.draw(st.sampled_from(self._live())))
+
+    @rule(seconds=st.sampled_from([0.1, 0.6]))
+    def tick(self, seconds):
+        self.clock.now += seconds
+
+    @precondition(lambda self: not self.mgr._sequences)
+    @rule()
+    def clear(self):
+        self.mgr.clear_cache()
+        self.expected.clear()
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        self.mgr.check_consistency()
+
+    @invariant()
+    def held_pages_hold_the_requests_kv(self):
+        for rid, seq in self.mgr._sequences.items():
+            for g, blocks in enumerate(seq.blocks):
+                for b, block in enumerate(blocks):
+                    if block is None:
+                        continue
+                    for p in range(b * PS, min((b + 1) * PS, len(seq.tokens))):
+                        assert self.device[g][block.page][p % PS] == self._kv(rid, p), (rid, g, b, p)
+
+    @invariant()
+    def cached_blocks_hold_their_prefix_kv(self):
+        for g, pool in enumerate(self.mgr.pools):
+            for key, block in pool.tree.blocks.items():
+                pages = self.device[g] if block.tier is Tier.DEVICE else self.host[g]
+                assert tuple(pages[block.page]) == self.expected[key], (g, block)
+
+    @invariant()
+    def stats_agree_with_requests(self):
+        s = self.mgr.stats
+        assert s.reused_tokens <= s.prompt_tokens and s.reused_blocks <= s.prompt_blocks
+        assert s.device_evictions >= s.offloaded_pages >= 0
+        for seq in self.mgr._sequences.values():
+            assert seq.stats.reused_tokens < max(seq.stats.prompt_tokens, 1)
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
