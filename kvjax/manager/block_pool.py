@@ -242,7 +242,8 @@ class BlockPool:
 
     def _drop(self, block: Block) -> None:
         """Removes an unreferenced tree block (and, in full groups, its subtree) from the cache."""
-        for node in list(self._subtree_postorder(block)):
+        leaf = not (self.tree_rule and self.tree.has_children(block.key))
+        for node in [block] if leaf else list(self._subtree_postorder(block)):
             self._unqueue(node)
             self.emit("removed", node)
             on_device = node.tier is Tier.DEVICE

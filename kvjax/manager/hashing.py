@@ -149,6 +149,12 @@ def block_key(parent: BlockKey, token_ids: Sequence[int], extra: tuple[HashedIte
 def check_token_ids(token_ids: Sequence[int], field: str) -> tuple[int, ...]:
     """Returns the ids (a sequence or a numpy array) as a tuple of ints, or raises ValueError naming ``field`` and the allowed range."""
     ids = tuple(token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)
+    try:  # fast path, one C call: ints that fit int32
+        struct.pack(f"<{len(ids)}i", *ids)
+        if not ids or (min(ids) >= 0 and bool not in set(map(type, ids))):
+            return ids
+    except (struct.error, TypeError):
+        pass
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
             raise ValueError(f"{field}[{i}]={t!r} must be an int token id in [0, {MAX_TOKEN_ID}]")

@@ -241,7 +241,8 @@ class KVCacheManager:
     ) -> int:
         """Tokens ``add_request`` would reuse right now (no side effects)."""
         prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
-        return self._plan(prompt, self._prompt_keys(prompt, items, root), root, items).num_tokens
+        plan = self._plan(prompt, self._prompt_keys(prompt, items, root), root, items)
+        return plan.num_tokens if self._fits(plan) else 0
 
     def prompt_block_keys(
         self,
