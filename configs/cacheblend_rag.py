@@ -34,12 +34,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.policy.budgets = (2.0, 1.5, 1.0)  # rows kept after each check, in units of the target
     config.policy.deviation = "kv"  # k | v | kv: which deviation scores tokens
     config.policy.row_bucket = 64  # recomputed-row capacities round up to this
-    config.policy.use_controller = False  # True: ratio = the loading controller's choice
 
     config.policies = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend", "random", "oracle", "first_k")  # compared
     config.sweep = ml_collections.ConfigDict()
     config.sweep.ratios = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)  # quality-vs-ratio sweep
-    config.sweep.policies = ("cacheblend", "random")  # selectors swept
+    config.sweep.policies = ("cacheblend",)  # selectors swept (add "random" for the control curve)
     config.sweep.num_prompts = 2  # first prompts used by the sweep (0 = skip)
 
     config.eval = ml_collections.ConfigDict()

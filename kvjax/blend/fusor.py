@@ -1,6 +1,6 @@
 """Layer-by-layer blended prefill into the paged cache (SPEC C5).
 
-For every layer l, in one jitted function over all layers:
+For every layer l (compiled as a check phase plus one reused layer step, see ``blend_prefill``):
 
 1. the reused KV of every prompt token (chunks precomputed alone, keys re-rotated to their
    actual positions, C2) is written into the sequence's pages of layer l;
@@ -169,7 +169,99 @@ def last_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, po
     return transformer.logits_of(params, cfg, rows.x[jnp.argmax(row_pos)])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layout", "plan", "attn_impl"), donate_argnames=("pool",))
+def _trace(inputs: BlendInputs, rows: RowState, out: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Attention output [P, H*d] at the probe positions and the recomputed mask [T] of one layer."""
+    row_pos = jnp.where(rows.valid, inputs.positions[rows.idx], -1)  # [M]
+    match = (inputs.probes[:, None] == row_pos[None, :]) & (inputs.probes[:, None] >= 0)  # [P, M]
+    attn = match.astype(out.dtype) @ out.reshape(out.shape[0], -1)  # [P, H*d]
+    return attn, jnp.zeros(inputs.tokens.shape[0], bool).at[rows.idx].max(rows.valid)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "layout", "checks", "deviation", "num_probes", "attn_impl"),
+    donate_argnames=("pool_k", "pool_v"),
+)
+def _check_phase(
+    params: transformer.Params,
+    pool_k: tuple[jax.Array, ...],
+    pool_v: tuple[jax.Array, ...],
+    inputs: BlendInputs,
+    *,
+    cfg: ModelConfig,
+    layout: CacheLayout,
+    checks: tuple[tuple[int, int], ...],
+    deviation: Deviation,
+    num_probes: int,
+    attn_impl: attention.Impl,
+) -> tuple[RowState, tuple[jax.Array, ...], tuple[jax.Array, ...], list]:
+    """Layers 0 .. last check layer in one program: all tokens, then narrowing at each check.
+
+    ``pool_k``/``pool_v`` hold the pages of exactly these layers.
+    """
+    check_at = {layer: (i, capacity) for i, (layer, capacity) in enumerate(checks)}
+    rows = initial_rows(params, cfg, inputs)
+    pool_k, pool_v, traces = list(pool_k), list(pool_v), []
+    for layer in range(len(pool_k)):
+        check = None
+        if layer in check_at:
+            i, capacity = check_at[layer]
+            check = (capacity, inputs.counts[i])
+        rows, pool_k[layer], pool_v[layer], out = blend_layer(
+            params.layers[layer], cfg, layout, layer, pool_k[layer], pool_v[layer], rows,
+            inputs.reused_k[layer], inputs.reused_v[layer], inputs, check, deviation, attn_impl,
+        )
+        if num_probes:
+            traces.append(_trace(inputs, rows, out))
+    return rows, tuple(pool_k), tuple(pool_v), traces
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "layout", "layer", "capacity", "deviation", "num_probes", "attn_impl"),
+    donate_argnames=("pool_k", "pool_v"),
+)
+def layer_step(
+    lp: transformer.LayerParams,
+    pool_k: jax.Array,
+    pool_v: jax.Array,
+    rows: RowState,
+    reused_k: jax.Array,
+    reused_v: jax.Array,
+    inputs: BlendInputs,
+    count: jax.Array,
+    *,
+    cfg: ModelConfig,
+    layout: CacheLayout,
+    layer: int,
+    capacity: int,
+    deviation: Deviation,
+    num_probes: int,
+    attn_impl: attention.Impl,
+) -> tuple[RowState, jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """``blend_layer`` as its own program; ``capacity`` > 0 narrows to ``count`` rows.
+
+    ``layer`` only fixes the RoPE base and window, so one compiled step serves every layer
+    with the same pair (see ``representative_layer``).
+
+    Returns:
+      (rows, pool_k, pool_v, (attn [P, H*d], recomputed [T]) or None).
+    """
+    check = (capacity, count) if capacity else None
+    rows, pool_k, pool_v, out = blend_layer(
+        lp, cfg, layout, layer, pool_k, pool_v, rows, reused_k, reused_v, inputs, check, deviation, attn_impl
+    )
+    return rows, pool_k, pool_v, (_trace(inputs, rows, out) if num_probes else None)
+
+
+def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
+    """First layer with the same RoPE base and window as ``layer``."""
+    key = (cfg.layer_rope_theta[layer], layout.window_of(layer))
+    return next(i for i in range(cfg.num_layers) if (cfg.layer_rope_theta[i], layout.window_of(i)) == key)
+
+
+initial_rows_jit = jax.jit(initial_rows, static_argnames=("cfg",))
+last_logits_jit = jax.jit(last_logits, static_argnames=("cfg",))
+
+
 def blend_prefill(
     params: transformer.Params,
     pool: PagePool,
@@ -182,33 +274,37 @@ def blend_prefill(
 ) -> tuple[jax.Array, PagePool, dict[str, jax.Array] | None]:
     """Blended prefill of one prompt; writes the fused KV into the pool (donated).
 
+    Two compiled phases: the check phase (layers 0 .. last check layer, all tokens, then
+    gradual filtering) as one program, then one compiled layer step for the selected rows,
+    dispatched asynchronously per remaining layer (a 30-layer unrolled program would take
+    ~5x longer to compile for every new row capacity, with no faster run time).
+
     Returns:
       (logits [V] float32 of the last prompt token, the pool, trace or None). With
       ``plan.num_probes > 0`` the trace holds ``attn`` [L, P, H*d] (attention output of the
       probe positions, zeros where a probe was not recomputed) and ``recomputed`` [L, T] bool.
     """
-    check_at = {layer: (i, capacity) for i, (layer, capacity) in enumerate(plan.checks)}
-    rows = initial_rows(params, cfg, inputs)
-    pool_k, pool_v = list(pool.k), list(pool.v)
-    attn_trace, recomputed = [], []
-    for layer, lp in enumerate(params.layers):
-        check = None
-        if layer in check_at:
-            i, capacity = check_at[layer]
-            check = (capacity, inputs.counts[i])
-        rows, pool_k[layer], pool_v[layer], out = blend_layer(
-            lp, cfg, layout, layer, pool_k[layer], pool_v[layer], rows,
-            inputs.reused_k[layer], inputs.reused_v[layer], inputs, check, plan.deviation, attn_impl,
+    inputs = jax.device_put(inputs)
+    first = plan.checks[-1][0] + 1 if plan.checks else 0
+    options = dict(cfg=cfg, layout=layout, deviation=plan.deviation, num_probes=plan.num_probes, attn_impl=attn_impl)
+    if first:
+        rows, head_k, head_v, traces = _check_phase(params, pool.k[:first], pool.v[:first], inputs, checks=plan.checks, **options)
+    else:
+        rows, head_k, head_v, traces = initial_rows_jit(params, cfg=cfg, inputs=inputs), (), (), []
+    pool_k, pool_v = list(head_k) + list(pool.k[first:]), list(head_v) + list(pool.v[first:])
+    zero = jnp.zeros((), jnp.int32)
+    for layer in range(first, cfg.num_layers):
+        rows, pool_k[layer], pool_v[layer], trace = layer_step(
+            params.layers[layer], pool_k[layer], pool_v[layer], rows, inputs.reused_k[layer], inputs.reused_v[layer],
+            inputs, zero, layer=representative_layer(cfg, layout, layer), capacity=0, **options,
         )
-        if plan.num_probes:
-            row_pos = jnp.where(rows.valid, inputs.positions[rows.idx], -1)  # [M]
-            match = (inputs.probes[:, None] == row_pos[None, :]) & (inputs.probes[:, None] >= 0)  # [P, M]
-            attn_trace.append(match.astype(out.dtype) @ out.reshape(out.shape[0], -1))  # [P, H*d]
-            mask = jnp.zeros(inputs.tokens.shape[0], bool).at[rows.idx].max(rows.valid)
-            recomputed.append(mask)
-    logits = last_logits(params, cfg, rows, inputs.positions)
-    trace = {"attn": jnp.stack(attn_trace), "recomputed": jnp.stack(recomputed)} if plan.num_probes else None
-    return logits, PagePool(k=tuple(pool_k), v=tuple(pool_v)), trace
+        if trace is not None:
+            traces.append(trace)
+    logits = last_logits_jit(params, cfg=cfg, rows=rows, positions=inputs.positions)
+    out = None
+    if plan.num_probes:
+        out = {"attn": jnp.stack([t[0] for t in traces]), "recomputed": jnp.stack([t[1] for t in traces])}
+    return logits, PagePool(k=tuple(pool_k), v=tuple(pool_v)), out
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens",))

@@ -15,7 +15,6 @@ Shapes: L = layers, T = padded prompt tokens, K = kv heads, d = head_dim.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import queue
 import threading
 import time
@@ -24,14 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import attention
 from kvjax.blend.blender import Blender, BlendPrompt
-from kvjax.blend.fusor import BlendInputs, RowState, blend_layer, initial_rows, last_logits
-from kvjax.blend.selection import Deviation, Selection
-from kvjax.cache.layout import CacheLayout
+from kvjax.blend.fusor import BlendInputs, initial_rows_jit, last_logits_jit, layer_step, representative_layer
+from kvjax.blend.selection import Selection
 from kvjax.cache.pool import PagePool
-from kvjax.model import transformer
-from kvjax.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,44 +47,6 @@ class PipelineReport:
     compute_total: float
     stall_total: float
     overlap: float
-
-
-def _representative(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
-    """First layer with the same RoPE base and window: one compiled step serves all of them."""
-    key = (cfg.layer_rope_theta[layer], layout.window_of(layer))
-    return next(i for i in range(cfg.num_layers) if (cfg.layer_rope_theta[i], layout.window_of(i)) == key)
-
-
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "layer", "capacity", "deviation", "attn_impl"),
-    donate_argnames=("pool_k", "pool_v"),
-)
-def _layer_step(
-    lp: transformer.LayerParams,
-    pool_k: jax.Array,
-    pool_v: jax.Array,
-    rows: RowState,
-    reused_k: jax.Array,
-    reused_v: jax.Array,
-    inputs: BlendInputs,
-    count: jax.Array,
-    *,
-    cfg: ModelConfig,
-    layout: CacheLayout,
-    layer: int,
-    capacity: int,
-    deviation: Deviation,
-    attn_impl: attention.Impl,
-) -> tuple[RowState, jax.Array, jax.Array]:
-    check = (capacity, count) if capacity else None
-    rows, pool_k, pool_v, _ = blend_layer(
-        lp, cfg, layout, layer, pool_k, pool_v, rows, reused_k, reused_v, inputs, check, deviation, attn_impl
-    )
-    return rows, pool_k, pool_v
-
-
-_initial_rows = jax.jit(initial_rows, static_argnames=("cfg",))
-_last_logits = jax.jit(last_logits, static_argnames=("cfg",))
 
 
 def _layer_kv(blender: Blender, prompt: BlendPrompt, layer: int, padded: int) -> tuple[jax.Array, jax.Array]:
@@ -122,7 +79,7 @@ def _compute(blender: Blender, inputs: BlendInputs, selection: Selection, get_la
     """Runs all layers, taking each layer's KV from ``get_layer(l)``; returns logits [V]."""
     cfg, layout = blender.cfg, blender.layout
     checks = {layer: (i, cap) for i, (layer, cap) in enumerate(selection.checks)}
-    rows = _initial_rows(blender.params, cfg=cfg, inputs=inputs)
+    rows = initial_rows_jit(blender.params, cfg=cfg, inputs=inputs)
     pool_k, pool_v = list(blender.pool.k), list(blender.pool.v)
     for layer, lp in enumerate(blender.params.layers):
         t = time.perf_counter()
@@ -130,15 +87,15 @@ def _compute(blender: Blender, inputs: BlendInputs, selection: Selection, get_la
         timings["stall"] += time.perf_counter() - t
         i, capacity = checks.get(layer, (0, 0))
         t = time.perf_counter()
-        rows, pool_k[layer], pool_v[layer] = _layer_step(
+        rows, pool_k[layer], pool_v[layer], _ = layer_step(
             lp, pool_k[layer], pool_v[layer], rows, k_l, v_l, inputs, inputs.counts[i] if capacity else jnp.int32(0),
-            cfg=cfg, layout=layout, layer=_representative(cfg, layout, layer), capacity=capacity,
-            deviation=selection.deviation, attn_impl=blender.attn_impl,
+            cfg=cfg, layout=layout, layer=representative_layer(cfg, layout, layer), capacity=capacity,
+            deviation=selection.deviation, num_probes=0, attn_impl=blender.attn_impl,
         )
         rows.x.block_until_ready()
         timings["compute"] += time.perf_counter() - t
     blender.pool = PagePool(k=tuple(pool_k), v=tuple(pool_v))
-    return _last_logits(blender.params, cfg=cfg, rows=rows, positions=inputs.positions)
+    return last_logits_jit(blender.params, cfg=cfg, rows=rows, positions=inputs.positions)
 
 
 def pipelined_blend(blender: Blender, prompt: BlendPrompt, selection: Selection, depth: int = 2) -> tuple[jax.Array, PipelineReport]:
