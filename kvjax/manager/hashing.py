@@ -5,6 +5,9 @@ A full block's key chains from its parent's key, so one key names a whole prefix
     root  = BLAKE3("kvjax-root" || len(salt) || salt || lora_id)
     key_i = BLAKE3(key_{i-1} || token ids as int32 little-endian || extra keys of block i)
 
+A prompt's token ids are packed once (``array("i", ids).tobytes()``) and each block hashes a
+slice of that buffer in a single BLAKE3 call (:func:`chain_keys`).
+
 ``cache_salt`` and the LoRA id enter through the root, so requests of different tenants or
 adapters never share a single block. Extra keys are the multimodal items that overlap the
 block: each contributes its content hash and its token span. Keys are full 32-byte digests.
@@ -13,7 +16,10 @@ block: each contributes its content hash and its token span. Keys are full 32-by
 from __future__ import annotations
 
 import dataclasses
+import operator
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 import blake3
@@ -26,6 +32,8 @@ MAX_TOKEN_ID = 2**31 - 1
 """Token ids are hashed as int32, so they must lie in [0, MAX_TOKEN_ID]."""
 
 _ROOT_DOMAIN = b"kvjax-root\x00"
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array("i").itemsize == 4, "token ids are hashed as int32"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,24 +146,67 @@ def block_key(parent: BlockKey, token_ids: Sequence[int], extra: tuple[HashedIte
       token_ids: the block's tokens (tokens_per_block of them), each in [0, MAX_TOKEN_ID].
       extra: multimodal items overlapping the block (see :func:`items_in`).
     """
-    hasher = blake3.blake3(parent)
-    hasher.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
-    for it in extra:
-        hasher.update(it.digest)
-        hasher.update(struct.pack("<qq", it.offset, it.length))
-    return hasher.digest()
+    return chain_keys(parent, pack_ids(token_ids), len(token_ids), extra)[0]
+
+
+def pack_ids(token_ids: Sequence[int]) -> bytes:
+    """Validated token ids as int32 little-endian bytes, in one C call."""
+    packed = array("i", token_ids)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def chain_keys(
+    parent: BlockKey, token_bytes: bytes, tokens_per_block: int, items: tuple[HashedItem, ...] = ()
+) -> list[BlockKey]:
+    """Keys of consecutive full blocks, each chained from the one before.
+
+    Args:
+      parent: key of the block before the first one (a request root for block 0).
+      token_bytes: the blocks' token ids as int32 little-endian (:func:`pack_ids`), ``4 * tokens_per_block`` bytes per block; a trailing partial block
+        is ignored.
+      tokens_per_block: tokens per block.
+      items: multimodal items of the whole range (offsets relative to its first token).
+
+    One BLAKE3 call per block over ``parent || tokens`` (the same digest as
+    :func:`block_key`'s streaming form); items add their digest and span.
+    """
+    width = 4 * tokens_per_block
+    keys = []
+    for b in range(len(token_bytes) // width):
+        start = b * tokens_per_block
+        extra = items_in(items, start, start + tokens_per_block) if items else ()
+        if extra:
+            hasher = blake3.blake3(parent)
+            hasher.update(token_bytes[b * width : (b + 1) * width])
+            for it in extra:
+                hasher.update(it.digest)
+                hasher.update(struct.pack("<qq", it.offset, it.length))
+            parent = hasher.digest()
+        else:
+            parent = blake3.blake3(parent + token_bytes[b * width : (b + 1) * width]).digest()
+        keys.append(parent)
+    return keys
 
 
 def check_token_ids(token_ids: Sequence[int], field: str) -> tuple[int, ...]:
-    """Returns the ids (a sequence or a numpy array) as a tuple of ints, or raises ValueError naming ``field`` and the allowed range."""
-    ids = tuple(token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)
-    try:  # fast path, one C call: ints that fit int32
-        struct.pack(f"<{len(ids)}i", *ids)
-        if not ids or (min(ids) >= 0 and bool not in set(map(type, ids))):
-            return ids
-    except (struct.error, TypeError):
-        pass
+    """Returns the ids (a sequence or a numpy array) as a tuple of Python ints, or raises
+    ValueError naming ``field`` and the allowed range.
+
+    Integer-like ids (numpy scalars) are converted; bools and anything else are rejected.
+    """
+    ids = token_ids if type(token_ids) is tuple else tuple(
+        token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
+    )
+    if not ids or (set(map(type, ids)) == _INT_TYPE and min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID):
+        return ids  # fast path: three C loops, no per-token Python
+    out = []
     for i, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+        if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= operator.index(t) <= MAX_TOKEN_ID:
             raise ValueError(f"{field}[{i}]={t!r} must be an int token id in [0, {MAX_TOKEN_ID}]")
-    return ids
+        out.append(operator.index(t))
+    return tuple(out)
+
+
+_INT_TYPE = {int}

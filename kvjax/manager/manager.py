@@ -33,15 +33,22 @@ from kvjax.manager.hashing import (
     HashedItem,
     MultimodalItem,
     block_key,
+    chain_keys,
     check_token_ids,
     hash_items,
     items_in,
+    pack_ids,
     root_key,
 )
 from kvjax.manager.radix_tree import Block
 from kvjax.manager.retention import block_priority
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import NULL_PAGE, PageOp, Tier
+
+
+_PROMPT_MEMO_SIZE = 256
+"""Prompts whose validation and block keys are remembered: the scheduler asks for the keys,
+then the reusable estimate, then admits, all for one prompt, and each would hash it again."""
 
 
 class OutOfPagesError(RuntimeError):
@@ -166,7 +173,10 @@ class KVCacheManager:
         self._stats = CacheStats()
         self._tick = 0
         self._sequences: dict[str, _Sequence] = {}
-        self.pools = tuple(
+        self._prompt_memo: dict[tuple, tuple[tuple[int, ...], BlockKey, list[BlockKey]]] = {}
+        """(prompt, cache_salt, lora_id) -> (validated prompt, root key, block keys); no mm items."""
+        self._roots: dict[tuple[str | None, int | None], BlockKey] = {}
+        self.pools: tuple[BlockPool, ...] = tuple(
             BlockPool(
                 group=g,
                 window=w,
@@ -182,6 +192,8 @@ class KVCacheManager:
             )
             for g, w in enumerate(self.group_windows)
         )
+        self._windowed = tuple(g for g, pool in enumerate(self.pools) if not pool.tree_rule)
+        """Groups that release blocks outside their window as sequences grow."""
 
     # ================================================================== queries
 
@@ -240,8 +252,8 @@ class KVCacheManager:
         mm_items: Sequence[MultimodalItem] = (),
     ) -> int:
         """Tokens ``add_request`` would reuse right now (no side effects)."""
-        prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
-        plan = self._plan(prompt, self._prompt_keys(prompt, items, root), root, items)
+        prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
+        plan = self._plan(prompt, keys, root, items)
         return plan.num_tokens if self._fits(plan) else 0
 
     def prompt_block_keys(
@@ -253,8 +265,7 @@ class KVCacheManager:
         mm_items: Sequence[MultimodalItem] = (),
     ) -> list[BlockKey]:
         """Keys of the prompt's full blocks (empty with enable_block_reuse=False)."""
-        prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
-        return self._prompt_keys(prompt, items, root)
+        return list(self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)[3])
 
     # ================================================================== request life cycle
 
@@ -279,9 +290,8 @@ class KVCacheManager:
         if request_id in self._sequences:
             raise ValueError(f"request_id={request_id!r} is already active; free it first or pick a new id")
         retention = as_retention_config(retention)
-        prompt, items, root = self._check_prompt(prompt_token_ids, cache_salt, lora_id, mm_items)
+        prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
         self._expire()
-        keys = self._prompt_keys(prompt, items, root)
         plan = self._plan(prompt, keys, root, items)
         if not self._fits(plan):
             plan = _Plan(0, 0, 0, [_GroupPlan(0, []) for _ in self.pools])
@@ -330,6 +340,12 @@ class KVCacheManager:
         if num_total_tokens <= seq.num_allocated:
             return
         num_blocks = -(-num_total_tokens // self.page_size)
+        for blocks in seq.blocks:
+            if len(blocks) < num_blocks:
+                break
+        else:  # the new tokens fit in the blocks held (most decode steps)
+            seq.num_allocated = num_total_tokens
+            return
         for pool, blocks in zip(self.pools, seq.blocks):
             need = num_blocks - len(blocks)
             if need > pool.num_available():
@@ -355,7 +371,7 @@ class KVCacheManager:
         the window.
         """
         seq = self._seq(request_id)
-        tokens = check_token_ids(token_ids, "token_ids")
+        tokens = _committed_ids(seq, token_ids)
         n0 = len(seq.tokens)
         n1 = n0 + len(tokens)
         if n1 > seq.num_allocated:
@@ -372,12 +388,13 @@ class KVCacheManager:
             )
         self._expire()
         seq.tokens.extend(tokens)
-        if self.config.enable_block_reuse:
+        ps = self.page_size
+        if self.config.enable_block_reuse and n1 // ps > n0 // ps:
             now = self.clock()
-            ps = self.page_size
             for b in range(n0 // ps, n1 // ps):
                 self._store_block(seq, b, now)
-        for pool, blocks, g in zip(self.pools, seq.blocks, range(len(self.pools))):
+        for g in self._windowed:
+            pool, blocks = self.pools[g], seq.blocks[g]
             first = min(self._first_in_window(pool, n1), len(blocks))
             for b in range(seq.first_held[g], first):
                 if blocks[b] is not None:
@@ -483,22 +500,50 @@ class KVCacheManager:
             raise ValueError(f"group={group!r} must be an int in [0, {len(self.pools) - 1}]")
         return self.pools[group]
 
-    def _check_prompt(
+    def _prepare(
         self,
         prompt_token_ids: Sequence[int],
         cache_salt: str | None,
         lora_id: int | None,
         mm_items: Sequence[MultimodalItem],
-    ) -> tuple[tuple[int, ...], tuple[HashedItem, ...], BlockKey]:
-        prompt = check_token_ids(prompt_token_ids, "prompt_token_ids")
-        if not 1 <= len(prompt) <= self.max_seq_len:
-            raise ValueError(f"len(prompt_token_ids)={len(prompt)} must be in [1, max_seq_len={self.max_seq_len}]")
+    ) -> tuple[tuple[int, ...], tuple[HashedItem, ...], BlockKey, list[BlockKey]]:
+        """Validates a prompt and computes its block keys: (prompt, items, root key, keys).
+
+        Prompts without multimodal items are remembered (the last ``_PROMPT_MEMO_SIZE``), so
+        the scheduler's key lookup, estimate and admission validate and hash a prompt once.
+        The returned key list is shared with the memo: do not mutate it.
+        """
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt={cache_salt!r} must be a string or None")
         if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0):
             raise ValueError(f"lora_id={lora_id!r} must be an int >= 0 or None")
-        items = hash_items(tuple(mm_items), len(prompt))
-        return prompt, items, root_key(cache_salt, lora_id)
+        memo_key = None
+        if not mm_items and type(prompt_token_ids) is tuple:
+            memo_key = (prompt_token_ids, cache_salt, lora_id)
+            try:
+                hit = self._prompt_memo.get(memo_key)
+            except TypeError:  # unhashable ids: let validation name them
+                hit = memo_key = None
+            if hit is not None:
+                return hit[0], (), hit[1], hit[2]
+        prompt = check_token_ids(prompt_token_ids, "prompt_token_ids")
+        if not 1 <= len(prompt) <= self.max_seq_len:
+            raise ValueError(f"len(prompt_token_ids)={len(prompt)} must be in [1, max_seq_len={self.max_seq_len}]")
+        items = hash_items(tuple(mm_items), len(prompt)) if mm_items else ()
+        root = self._root(cache_salt, lora_id)
+        keys = self._prompt_keys(prompt, items, root)
+        if memo_key is not None:
+            if len(self._prompt_memo) >= _PROMPT_MEMO_SIZE:
+                del self._prompt_memo[next(iter(self._prompt_memo))]
+            self._prompt_memo[memo_key] = (prompt, root, keys)
+        return prompt, items, root, keys
+
+    def _root(self, cache_salt: str | None, lora_id: int | None) -> BlockKey:
+        """The request root key (memoized: tenants and adapters are few)."""
+        root = self._roots.get((cache_salt, lora_id))
+        if root is None:
+            root = self._roots[(cache_salt, lora_id)] = root_key(cache_salt, lora_id)
+        return root
 
     # ================================================================== internals: reuse
 
@@ -513,13 +558,7 @@ class KVCacheManager:
         """Keys of the full prompt blocks (empty with reuse off)."""
         if not self.config.enable_block_reuse:
             return []
-        ps = self.page_size
-        keys = []
-        parent = root
-        for b in range(len(prompt) // ps):
-            parent = block_key(parent, prompt[b * ps : (b + 1) * ps], items_in(items, b * ps, (b + 1) * ps))
-            keys.append(parent)
-        return keys
+        return chain_keys(root, pack_ids(prompt), self.page_size, items)
 
     def _plan(
         self, prompt: tuple[int, ...], keys: list[BlockKey], root: BlockKey, items: tuple[HashedItem, ...]
@@ -537,8 +576,11 @@ class KVCacheManager:
             hits: list[Block | None] = []
             missing = [0]
             parent = root
+            cached = pool.tree.blocks
             for b, key in enumerate(keys):
-                hit = pool.tree.match(key, parent, prompt[b * ps : (b + 1) * ps])
+                hit = cached.get(key)  # the digest, then its parent and tokens (RadixTree.match inlined)
+                if hit is not None and (hit.parent_key != parent or hit.token_ids != prompt[b * ps : (b + 1) * ps]):
+                    hit = None
                 hits.append(hit)
                 missing.append(missing[-1] + (hit is None))
                 parent = key
@@ -591,11 +633,14 @@ class KVCacheManager:
         """The cached block sharing the most leading tokens with ``wanted`` (block at ``start``).
 
         Candidates are the full match of this block if any, else the cached children of the
-        previous block. Without copy_on_partial_reuse a device candidate qualifies only if
+        previous block that start with the wanted first token. Without copy_on_partial_reuse a device candidate qualifies only if
         it can be taken in place (no holder, no children); a host candidate is always copied
         (onboarded) to a fresh page.
         """
-        candidates = [hit] if hit is not None else list(pool.tree.children(parent).values())
+        if hit is not None:
+            candidates = [hit]
+        else:  # a useful candidate shares at least the first token
+            candidates = list(pool.tree.children_starting_with(parent, wanted[0]).values()) if wanted else []
         best: Block | None = None
         best_count = 0
         for block in candidates:
@@ -659,7 +704,7 @@ class KVCacheManager:
         ps = self.page_size
         parent = seq.keys[b - 1] if b else seq.root
         tokens = tuple(seq.tokens[b * ps : (b + 1) * ps])
-        items = items_in(seq.items, b * ps, (b + 1) * ps)
+        items = items_in(seq.items, b * ps, (b + 1) * ps) if seq.items else ()
         key = seq.prompt_keys[b] if b < len(seq.prompt_keys) else block_key(parent, tokens, items)
         seq.keys.append(key)
         priority, duration_ms = block_priority(seq.retention, b * ps, (b + 1) * ps, len(seq.prompt))
@@ -675,10 +720,12 @@ class KVCacheManager:
 
     def _expire(self) -> None:
         """Returns blocks whose retention duration ran out to the default priority."""
-        now = self.clock()
+        now = None
         for pool in self.pools:
             if not pool.expiry:
                 continue
+            if now is None:
+                now = self.clock()
             for block in pool.expiry.pop_expired(now, _in_tree):
                 pool.set_priority(block, DEFAULT_PRIORITY, None)
             if len(pool.expiry) > 2 * len(pool.tree) + 64:
@@ -687,3 +734,25 @@ class KVCacheManager:
 
 def _in_tree(block: Block) -> bool:
     return block.key is not None
+
+
+def _committed_ids(seq: _Sequence, token_ids: Sequence[int]) -> tuple[int, ...]:
+    """The ids of a commit as a tuple of ints, validated.
+
+    Ids that repeat the prompt at the sequence's position are the prompt's own (validated by
+    ``add_request``), so only the generated part is checked here; anything else goes through
+    full validation, which names the first bad id.
+    """
+    ids = token_ids if type(token_ids) is tuple else tuple(
+        token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
+    )
+    n0 = len(seq.tokens)
+    head = seq.prompt[n0 : n0 + len(ids)]
+    if ids[: len(head)] == head:
+        if len(ids) == len(head):
+            return head
+        try:
+            return head + check_token_ids(ids[len(head) :], "token_ids")
+        except ValueError:
+            pass
+    return check_token_ids(ids, "token_ids")

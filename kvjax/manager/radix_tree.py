@@ -58,11 +58,14 @@ class Block:
 class RadixTree:
     """Full blocks of one layer group, by key, with children indexed by parent key."""
 
-    __slots__ = ("blocks", "_children")
+    __slots__ = ("blocks", "_children", "_by_first_token")
 
     def __init__(self) -> None:
         self.blocks: dict[BlockKey, Block] = {}
         self._children: dict[BlockKey, dict[BlockKey, Block]] = {}
+        self._by_first_token: dict[tuple[BlockKey, int], dict[BlockKey, Block]] = {}
+        """Children by (parent key, first token): partial reuse looks only at siblings that
+        share at least the first token, not at every one-off continuation of a popular prefix."""
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -81,6 +84,10 @@ class RadixTree:
         """Cached blocks whose parent key is ``key`` (a root key gives first blocks). Do not mutate."""
         return self._children.get(key, _EMPTY)
 
+    def children_starting_with(self, key: BlockKey, token: int) -> dict[BlockKey, Block]:
+        """Cached children of ``key`` whose first token is ``token``. Do not mutate."""
+        return self._by_first_token.get((key, token), _EMPTY)
+
     def has_children(self, key: BlockKey) -> bool:
         return key in self._children
 
@@ -97,6 +104,7 @@ class RadixTree:
         block.key, block.parent_key, block.token_ids, block.items = key, parent_key, token_ids, items
         self.blocks[key] = block
         self._children.setdefault(parent_key, {})[key] = block
+        self._by_first_token.setdefault((parent_key, token_ids[0]), {})[key] = block
 
     def replace(self, old: Block, new: Block) -> None:
         """Puts private ``new`` in place of tree block ``old`` (same key); children stay attached."""
@@ -107,6 +115,7 @@ class RadixTree:
         )
         self.blocks[key] = new
         self._children[old.parent_key][key] = new
+        self._by_first_token[(old.parent_key, old.token_ids[0])][key] = new
         old.key = None
 
     def remove(self, block: Block) -> None:
@@ -118,6 +127,11 @@ class RadixTree:
         del siblings[key]
         if not siblings:
             del self._children[block.parent_key]
+        first = (block.parent_key, block.token_ids[0])
+        twins = self._by_first_token[first]
+        del twins[key]
+        if not twins:
+            del self._by_first_token[first]
         block.key = None
 
 

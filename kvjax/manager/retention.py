@@ -32,22 +32,29 @@ def block_priority(
       start, end: token positions of the block, start < end.
       prompt_len: tokens in the prompt; positions >= prompt_len are generated tokens.
     """
-    candidates: list[tuple[int, float | None]] = []
-    covered = 0
-    prompt_covered = 0
+    # The winner maximizes (priority, no expiry, duration); the first of equals is kept.
+    best_priority, best_duration = -1, None
+    covered = prompt_covered = 0
     for r in retention.token_range_retention_configs:
-        lo = max(start, r.token_start)
-        hi = end if r.token_end is None else min(end, r.token_end)
+        lo = r.token_start if r.token_start > start else start
+        hi = end if r.token_end is None or r.token_end > end else r.token_end
         if lo < hi:
-            candidates.append((r.priority, r.duration_ms))
+            p, d = r.priority, r.duration_ms
+            if p > best_priority or (p == best_priority and best_duration is not None and (d is None or d > best_duration)):
+                best_priority, best_duration = p, d
             covered += hi - lo
-            prompt_covered += max(0, min(hi, prompt_len) - lo)
+            if lo < prompt_len:
+                prompt_covered += (hi if hi < prompt_len else prompt_len) - lo
     prompt_tokens = max(0, min(end, prompt_len) - start)
     if prompt_covered < prompt_tokens:
-        candidates.append((DEFAULT_PRIORITY, None))
+        p, d = DEFAULT_PRIORITY, None
+        if p > best_priority or (p == best_priority and best_duration is not None):
+            best_priority, best_duration = p, d
     if covered - prompt_covered < (end - start) - prompt_tokens:
-        candidates.append((retention.decode_retention_priority, retention.decode_duration_ms))
-    return max(candidates, key=lambda c: (c[0], c[1] is None, c[1] or 0.0))
+        p, d = retention.decode_retention_priority, retention.decode_duration_ms
+        if p > best_priority or (p == best_priority and best_duration is not None and (d is None or d > best_duration)):
+            best_priority, best_duration = p, d
+    return best_priority, best_duration
 
 
 class _Expirable(Protocol):

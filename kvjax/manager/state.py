@@ -131,7 +131,7 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
         "tick": mgr._tick,
         "pools": pools,
         "sequences": sequences,
-        "page_ops": [dataclasses.asdict(op) for op in mgr._ops],
+        "page_ops": [op._asdict() for op in mgr._ops],
         "events": {
             "next_id": events.next_id,
             "num_dropped": events.num_dropped,
@@ -250,7 +250,7 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
         retention["token_range_retention_configs"] = tuple(
             TokenRangeRetentionConfig(**r) for r in retention["token_range_retention_configs"]
         )
-        root = mgr._check_prompt(prompt, cache_salt, lora_id, ())[2]
+        root = mgr._root(cache_salt, lora_id)
         per_group = []
         for g, entries in enumerate(row["blocks"]):
             blocks = []
@@ -328,6 +328,8 @@ def check_consistency(mgr: KVCacheManager) -> None:
                 fail(f"group {g}: block filed under {key.hex()[:12]} has key {_hex(b.key)}")
             if b not in pool.tree.children(b.parent_key).values():
                 fail(f"group {g}: block {key.hex()[:12]} missing from its parent's child index")
+            if pool.tree.children_starting_with(b.parent_key, b.token_ids[0]).get(key) is not b:
+                fail(f"group {g}: block {key.hex()[:12]} missing from the first-token index")
             if b.ref_count != holders.get(id(b), 0):
                 fail(f"group {g}: block {key.hex()[:12]} ref_count={b.ref_count}, held by {holders.get(id(b), 0)}")
             (device_pages if b.tier is Tier.DEVICE else host_pages).append(b.page)

@@ -13,9 +13,8 @@ block at 34 is not, as the TensorRT-LLM documentation states.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvjax.cache.layout import NULL_PAGE
 
@@ -33,9 +32,8 @@ class Tier(enum.IntEnum):
         return self.name.lower()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PageOp:
-    """One page movement for the engine to execute.
+class PageOp(NamedTuple):
+    """One page movement for the engine to execute (a named tuple: cheap to build per eviction).
 
     Attributes:
       kind: "offload" (device page src -> host page dst), "onboard" (host page src -> device
