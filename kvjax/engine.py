@@ -142,6 +142,13 @@ class Engine:
         self.timings = collections.Counter()
         """Cumulative seconds and token counts by phase (prefill / decode / page_ops)."""
 
+    def set_manager(self, manager: KVCacheManager) -> None:
+        """Swaps in another manager (a restored snapshot); the engine must be idle."""
+        if self.has_work:
+            raise ValueError("set_manager needs an idle engine: finish or drop queued/running requests first")
+        self.manager = manager
+        self.scheduler = Scheduler(self.scheduler_config, manager)
+
     # ------------------------------------------------------------------ submission
 
     def submit(
