@@ -72,6 +72,8 @@ class BlockPool:
         self.bytes_per_page = bytes_per_page
         self.ops = ops
         self.events = events
+        self._events_on = events.enabled
+        """Events on (the buffer's capacity never changes): checked before building one."""
         self.stats = stats
         self.device_free: collections.deque[int] = collections.deque(range(1, num_device_pages))
         self.host_free: collections.deque[int] = collections.deque(range(num_host_pages))
@@ -92,7 +94,7 @@ class BlockPool:
     # ------------------------------------------------------------------ events
 
     def emit(self, kind: EventKind, block: Block, *, with_tokens: bool = False) -> None:
-        if self.events.enabled:
+        if self._events_on:
             self.events.append(
                 kind,
                 self.group,
@@ -136,7 +138,7 @@ class BlockPool:
         """Keeps the parent's ``device_children`` count (full groups only) and its queue entry."""
         if not self.tree_rule:
             return
-        parent = self.tree.get(block.parent_key)
+        parent = self.tree.blocks.get(block.parent_key)
         if parent is not None:
             parent.device_children += delta
             self.requeue(parent)
@@ -326,7 +328,7 @@ class BlockPool:
         has one block and the sequence's chain stays in the tree.
         """
         assert block.key is None and block.ref_count == 1 and block.tier is Tier.DEVICE
-        cached = self.tree.get(key)
+        cached = self.tree.blocks.get(key)
         if cached is not None and cached.tier is Tier.DEVICE:
             self.acquire(cached)
             self.set_priority(cached, priority, expiry)

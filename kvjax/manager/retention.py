@@ -32,6 +32,9 @@ def block_priority(
       start, end: token positions of the block, start < end.
       prompt_len: tokens in the prompt; positions >= prompt_len are generated tokens.
     """
+    if not retention.token_range_retention_configs and retention.decode_retention_priority == DEFAULT_PRIORITY:
+        if end <= prompt_len or retention.decode_duration_ms is None:  # the default policy
+            return DEFAULT_PRIORITY, None
     # The winner maximizes (priority, no expiry, duration); the first of equals is kept.
     best_priority, best_duration = -1, None
     covered = prompt_covered = 0
