@@ -1,0 +1,46 @@
+"""KV-cache memory: bytes/token by attention type, windowed layer groups on long sequences,
+and how many distinct prompts stay reusable with a host tier.
+
+    python -m experiments.run --config=configs/bench_memory.py
+    python -m experiments.run --config=configs/bench_memory.py --config.windows.lengths='(1024, 2048, 4096, 8192)'
+
+Three parts, side by side in one run folder (``memory.md`` table, ``memory.png`` plot):
+  attention  MHA / GQA / MQA on SmolLM2's geometry: bytes/token from the layout formula
+             against the bytes of an allocated pool;
+  windows    pages held per layer group by one running request of each length, on the real
+             engine (Gemma 3's own 512-token windows; SmolLM2 with ``max_attention_window``);
+  offload    distinct prompts still reusable after a fill, with 0 or N x the device cache
+             as host cache (checked once by re-running the oldest prompt).
+The default takes about 5 minutes on 2 CPU cores (mostly compiling the engines' buckets).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.experiment = "bench_memory"  # module experiments.bench_memory
+    config.seed = 0  # random prompt tokens
+
+    config.attention = ml_collections.ConfigDict()
+    config.attention.model = "smollm2-135m"  # geometry (layers, heads, head_dim) of the comparison
+    config.attention.kv_heads = (9, 3, 1)  # MHA (= query heads), GQA (the model's), MQA
+    config.attention.dtypes = ("float32", "bfloat16")  # KV storage dtypes
+    config.attention.num_pages = 8  # pages of the allocated pool that checks the formula
+    config.attention.page_size = 32  # tokens per page
+
+    config.windows = ml_collections.ConfigDict()
+    config.windows.lengths = (1024, 2048, 4096)  # prompt lengths of the running request
+    config.windows.smollm2_window = (4096, 256)  # SmolLM2 max_attention_window, cycled over layers
+    config.windows.models = ("gemma3-270m", "smollm2-135m")  # engines measured (gemma: its own windows)
+    config.windows.tokens_per_block = 32  # page size
+    config.windows.prefill_chunk_size = 1024  # scheduler chunk (windowed pages are released between chunks)
+
+    config.offload = ml_collections.ConfigDict()
+    config.offload.model = "smollm2-135m"  # engine model
+    config.offload.device_tokens = 1024  # device cache capacity (max_tokens)
+    config.offload.host_multiples = (0, 1, 3)  # host_cache_size in units of the device cache bytes
+    config.offload.num_prompts = 40  # distinct prompts filled in turn
+    config.offload.prompt_tokens = 128  # tokens per prompt (4 blocks of 32)
+    config.offload.tokens_per_block = 32  # page size
+    return config

@@ -1,0 +1,171 @@
+"""KV-cache memory: bytes/token by attention type, windowed layer groups, host-offload capacity.
+
+See ``configs/bench_memory.py`` for the three parts and the command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import matplotlib
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from experiments import report
+from kvjax.cache import NULL_PAGE, CacheLayout, PagePool, init_pool
+from kvjax.config import KvCacheConfig, SchedulerConfig
+from kvjax.engine import Engine
+from kvjax.model.registry import Model, load_model
+from kvjax.sampling import SamplingParams
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ATTENTION_KIND = {1: "MQA"}
+
+
+def pool_nbytes(pool: PagePool) -> int:
+    """Bytes of every allocated K and V page array."""
+    return sum(int(a.nbytes) for a in jax.tree.leaves(pool))
+
+
+def attention_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
+    """bytes/token of each (KV heads, dtype): the layout's formula and an allocated pool's bytes per slot."""
+    cfg, c = model.config, config.attention
+    rows = []
+    for kv_heads in c.kv_heads:
+        if cfg.num_heads % kv_heads:
+            raise ValueError(f"attention.kv_heads entry {kv_heads} must divide num_heads={cfg.num_heads}")
+        kind = "MHA" if kv_heads == cfg.num_heads else ATTENTION_KIND.get(kv_heads, "GQA")
+        for dtype in c.dtypes:
+            layout = CacheLayout(
+                layer_windows=(cfg.max_seq_len,) * cfg.num_layers, num_pages=(c.num_pages,), page_size=c.page_size,
+                num_kv_heads=kv_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len, dtype=dtype,
+            )
+            allocated = pool_nbytes(init_pool(layout))
+            rows.append({
+                "attention": kind, "kv_heads": kv_heads, "dtype": dtype, "layers": cfg.num_layers, "head_dim": cfg.head_dim,
+                "bytes_per_token": layout.bytes_per_token,
+                "allocated_bytes_per_slot": allocated / (c.num_pages * c.page_size),
+                "tokens_per_GiB": (1 << 30) // layout.bytes_per_token,
+            })
+    return rows
+
+
+def window_rows(config: ml_collections.ConfigDict, model: Model, rng: np.random.Generator) -> list[dict]:
+    """Bytes held per layer group by one running request of each length (real engine)."""
+    c = config.windows
+    longest = max(c.lengths)
+    windows = tuple(c.smollm2_window) if model.config.name.startswith("smollm2") else None
+    kv = KvCacheConfig(tokens_per_block=c.tokens_per_block, max_tokens=2 * (longest + 64), max_attention_window=windows)
+    scheduler = SchedulerConfig(prefill_chunk_size=c.prefill_chunk_size, max_num_tokens=c.prefill_chunk_size)
+    engine = Engine(model, kv, scheduler, max_seq_len=longest + 64)
+    layout = engine.layout
+    if pool_nbytes(engine.pool) != layout.pool_bytes():
+        raise RuntimeError(f"allocated pool {pool_nbytes(engine.pool)} B != layout.pool_bytes() {layout.pool_bytes()} B")
+    rows = []
+    for length in tqdm(c.lengths, desc=f"windows {model.config.name}"):
+        prompt = rng.integers(3, model.config.vocab_size, length).tolist()
+        rid = engine.submit(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        while engine.requests[rid].first_token_time is None:
+            engine.step()
+        for g in range(layout.num_groups):
+            held = sum(p != NULL_PAGE for p in engine.manager.block_table(rid, g))
+            full = layout.pages_for(engine.manager.num_tokens(rid))
+            window = layout.group_windows[g]
+            rows.append({
+                "model": model.config.name, "tokens": length, "group": g,
+                "window": "full" if window >= layout.max_seq_len else window, "layers": layout.group_layers[g],
+                "pages_held": held, "bytes_held": held * layout.bytes_per_page(g),
+                "bytes_if_full": full * layout.bytes_per_page(g),
+            })
+        engine.run()
+    return rows
+
+
+def offload_rows(config: ml_collections.ConfigDict, model: Model, rng: np.random.Generator) -> list[dict]:
+    """Distinct prompts reusable after filling the cache, for each host-cache size."""
+    c = config.offload
+    prompts = [rng.integers(3, model.config.vocab_size, c.prompt_tokens).tolist() for _ in range(c.num_prompts)]
+    sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    cfg = model.config
+    device_bytes = c.device_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.params.embed.dtype.itemsize
+    rows = []
+    for multiple in c.host_multiples:
+        kv = KvCacheConfig(tokens_per_block=c.tokens_per_block, max_tokens=c.device_tokens, host_cache_size=int(multiple * device_bytes))
+        engine = Engine(model, kv, max_seq_len=2 * c.prompt_tokens)
+        if engine.cache_size.cache_bytes != device_bytes:
+            raise RuntimeError(f"engine cache {engine.cache_size.cache_bytes} B != {device_bytes} B expected")
+        for prompt in tqdm(prompts, desc=f"offload host={multiple}x"):
+            engine.generate([prompt], sampling)
+        estimates = [engine.manager.estimate_reusable_tokens(p) for p in prompts]
+        reusable = [i for i, e in enumerate(estimates) if e > 0]
+        stats = dataclasses.replace(engine.manager.stats)
+        check = {}
+        if reusable:
+            [out] = engine.generate([prompts[reusable[0]]], sampling)
+            check = {
+                "oldest_reusable": reusable[0], "rerun_reused_tokens": out.num_reused_tokens,
+                "rerun_estimate": estimates[reusable[0]],
+                "rerun_onboarded_pages": engine.manager.stats.onboarded_pages - stats.onboarded_pages,
+            }
+        rows.append({
+            "host_multiple": multiple, "host_bytes": kv.host_cache_size, "device_bytes": device_bytes,
+            "reusable_prompts": len(reusable), "reusable_tokens": int(sum(estimates)),
+            "device_evictions": stats.device_evictions, "host_evictions": stats.host_evictions,
+            "offloaded_bytes": stats.offloaded_bytes, **check,
+        })
+    return rows
+
+
+def plot(attention: list[dict], windows: list[dict], offload: list[dict], path: pathlib.Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    labels = [f"{r['attention']}\n{r['kv_heads']} kv, {r['dtype'][:4]}" for r in attention]
+    ax.bar(range(len(attention)), [r["bytes_per_token"] / 1024 for r in attention])
+    ax.set_xticks(range(len(attention)), labels, fontsize=7)
+    ax.set(ylabel="KiB / token", title="KV bytes per token (all layers)")
+    ax = axes[1]
+    for (model, group), rows in _by(windows, ("model", "group")).items():
+        ax.plot([r["tokens"] for r in rows], [r["bytes_held"] / 2**20 for r in rows], marker="o",
+                label=f"{model} g{group} (window {rows[0]['window']}, {rows[0]['layers']} layers)")
+        if rows[0]["window"] != "full":
+            ax.plot([r["tokens"] for r in rows], [r["bytes_if_full"] / 2**20 for r in rows], linestyle=":", color="gray")
+    ax.set(xlabel="tokens in the request", ylabel="MiB held", title="pages held per layer group (dotted: unwindowed)")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    ax.plot([r["host_multiple"] for r in offload], [r["reusable_prompts"] for r in offload], marker="o")
+    ax.set(xlabel="host cache (x device cache bytes)", ylabel="distinct prompts reusable", title="capacity with host offload")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _by(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
+    rng = np.random.default_rng(config.seed)
+    models = {name: load_model(name) for name in {config.attention.model, config.offload.model, *config.windows.models}}
+    attention = attention_rows(config, models[config.attention.model])
+    windows = [r for name in config.windows.models for r in window_rows(config, models[name], rng)]
+    offload = offload_rows(config, models[config.offload.model], rng)
+    for name, rows in (("attention", attention), ("windows", windows), ("offload", offload)):
+        report.write_csv(workdir / f"{name}.csv", rows)
+    plot(attention, windows, offload, workdir / "memory.png")
+    sections = [
+        ("KV bytes per token (layout formula vs allocated pool)", report.markdown_table(attention)),
+        ("Pages held per layer group by one running request", report.markdown_table(windows)),
+        ("Distinct prompts reusable after the fill", report.markdown_table(offload)),
+        ("Plot", "![memory](memory.png)\n"),
+    ]
+    report.write_summary(workdir, "bench_memory — KV-cache memory", sections)
+    (workdir / "memory.md").write_text("".join(f"## {h}\n\n{b}\n" for h, b in sections))
+    return {"attention": attention, "windows": windows, "offload": offload, "device": jax.devices()[0].device_kind}
