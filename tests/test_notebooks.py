@@ -1,0 +1,25 @@
+"""The Colab notebooks run top to bottom (outputs are stripped in git)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_notebooks_exist():
+    assert [p.name for p in NOTEBOOKS][:1] == ["01_quickstart.ipynb"]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom(path: pathlib.Path, tmp_path: pathlib.Path):
+    nb = nbformat.read(path, as_version=4)
+    assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), f"{path.name}: strip outputs"
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
+    assert not errors
