@@ -30,7 +30,7 @@ import numpy as np
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, choose_cache_size, init_pool
 from kvjax.cache.pool import copy_pages, read_pages, write_pages
-from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, as_retention_config
+from kvjax.config import ConfigError, KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, as_retention_config
 from kvjax.manager import KVCacheManager, MultimodalItem, PageOp
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
 from kvjax.model.registry import Model
@@ -105,6 +105,11 @@ class Engine:
         attn_impl: attention.Impl = "auto",
     ) -> None:
         cfg = model.config
+        if kv_cache_config.use_kv_cache_manager_v2 == "true":
+            raise ConfigError(
+                f"use_kv_cache_manager_v2='true' is not supported for model {cfg.name!r}: kvjax implements the "
+                "host-side (V1) manager only; use 'auto' or 'false'"
+            )
         self.model = model
         self.kv_config = kv_cache_config
         self.scheduler_config = scheduler_config

@@ -97,3 +97,11 @@ def test_stream_yields_the_generated_tokens(smollm2, prompts):
     streamed = list(engine.stream(prompts[2], SamplingParams(max_new_tokens=5, ignore_eos=True)))
     [rid] = list(engine.requests)
     assert streamed == engine.output(rid).output
+
+
+def test_forced_manager_v2_is_a_clear_error(smollm2):
+    from kvjax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="use_kv_cache_manager_v2='true' is not supported"):
+        make_engine(smollm2, use_kv_cache_manager_v2=True)
+    assert make_engine(smollm2, use_kv_cache_manager_v2="auto").manager is not None
