@@ -25,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ATTENTION_KIND = {1: "MQA"}
+DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def pool_nbytes(pool: PagePool) -> int:
@@ -124,7 +125,7 @@ def offload_rows(config: ml_collections.ConfigDict, model: Model, rng: np.random
 def plot(attention: list[dict], windows: list[dict], offload: list[dict], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
-    labels = [f"{r['attention']}\n{r['kv_heads']} kv, {r['dtype'][:4]}" for r in attention]
+    labels = [f"{r['attention']}\n{r['kv_heads']} kv, {DTYPE_SHORT.get(r['dtype'], r['dtype'])}" for r in attention]
     ax.bar(range(len(attention)), [r["bytes_per_token"] / 1024 for r in attention])
     ax.set_xticks(range(len(attention)), labels, fontsize=7)
     ax.set(ylabel="KiB / token", title="KV bytes per token (all layers)")
