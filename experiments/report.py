@@ -1,9 +1,14 @@
-"""Writing run folders: resolved config, JSON results, markdown tables and summaries."""
+"""Writing run folders (resolved config, JSON results, markdown tables, summaries), and
+gathering the latest run of every experiment into one report:
+
+    python -m experiments.report [--runs=runs] [--out=runs/REPORT.md]
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -67,3 +72,49 @@ def write_summary(workdir: pathlib.Path, title: str, sections: Sequence[tuple[st
     """``summary.md``: a title and (heading, markdown body) sections."""
     parts = [f"# {title}\n"] + [f"\n## {heading}\n\n{body}" for heading, body in sections]
     (workdir / "summary.md").write_text("".join(parts))
+
+
+def latest_runs(runs_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The newest complete run folder (one with results.json) per experiment."""
+    latest: dict[str, tuple[float, pathlib.Path]] = {}
+    for results in runs_dir.glob("*/results.json"):
+        folder = results.parent
+        config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+        name = config.get("experiment", folder.name)
+        stamp = results.stat().st_mtime
+        if name not in latest or stamp > latest[name][0]:
+            latest[name] = (stamp, folder)
+    return {name: folder for name, (_, folder) in sorted(latest.items())}
+
+
+def gather(runs_dir: pathlib.Path, out: pathlib.Path) -> str:
+    """One markdown report of the latest run of every experiment, with links to its plots."""
+    parts = ["# kvjax results\n", f"\nLatest run of each experiment under `{runs_dir}`.\n"]
+    for name, folder in latest_runs(runs_dir).items():
+        parts.append(f"\n---\n\n<!-- {name}: {folder} -->\n")
+        summary = folder / "summary.md"
+        body = summary.read_text() if summary.is_file() else f"# {name}\n\n(no summary.md)\n"
+        parts.append(re.sub(r"^(#+) ", r"#\1 ", body, flags=re.MULTILINE))
+        for png in sorted(folder.glob("*.png")):
+            parts.append(f"\n![{name}: {png.stem}]({png.relative_to(out.parent) if png.is_relative_to(out.parent) else png})\n")
+    text = "".join(parts)
+    out.write_text(text)
+    return text
+
+
+def main(argv: list[str]) -> None:
+    from absl import flags
+
+    del argv
+    runs_dir = pathlib.Path(flags.FLAGS.runs)
+    out = pathlib.Path(flags.FLAGS.out or runs_dir / "REPORT.md")
+    gather(runs_dir, out)
+    print(f"report: {out}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("runs", "runs", "Folder holding the run folders.")
+    flags.DEFINE_string("out", None, "Report path; default <runs>/REPORT.md.")
+    app.run(main)
