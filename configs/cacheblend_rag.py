@@ -39,7 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.sweep = ml_collections.ConfigDict()
     config.sweep.ratios = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)  # quality-vs-ratio sweep
     config.sweep.policies = ("cacheblend",)  # selectors swept (add "random" for the control curve)
-    config.sweep.num_prompts = 2  # first prompts used by the sweep (0 = skip)
+    config.sweep.num_prompts = 1  # first prompts used by the sweep (0 = skip)
 
     config.eval = ml_collections.ConfigDict()
     config.eval.continuation_tokens = 32  # N: teacher-forced continuation length for KL / top-1

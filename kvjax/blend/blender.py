@@ -125,7 +125,8 @@ class Blender:
         )
         return logits
 
-    def _padded_span(self, tokens: np.ndarray, start: int, padded: int) -> tuple[np.ndarray, np.ndarray]:
+    def padded_span(self, tokens: np.ndarray, start: int, padded: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [padded] int32, positions [padded] int32 from ``start``, -1 past the tokens)."""
         tok = np.zeros(padded, np.int32)
         tok[: len(tokens)] = tokens
         pos = np.full(padded, -1, np.int32)
@@ -133,7 +134,7 @@ class Blender:
         return tok, pos
 
     def _exact_prefix_kv(self) -> tuple[jax.Array, jax.Array]:
-        tok, pos = self._padded_span(np.asarray(self.prefix, np.int32), 0, self.padded(len(self.prefix)))
+        tok, pos = self.padded_span(np.asarray(self.prefix, np.int32), 0, self.padded(len(self.prefix)))
         self._forward(tok, pos, len(self.prefix), "none")
         k, v = gather_kv(self.pool, jnp.asarray(self.table), self.padded(len(self.prefix)))
         return k[:, : len(self.prefix)], v[:, : len(self.prefix)]
@@ -159,7 +160,7 @@ class Blender:
     def full_recompute(self, prompt: BlendPrompt) -> jax.Array:
         """The reference: the whole prompt through ``transformer.forward``; logits [V]."""
         tokens = prompt.tokens
-        tok, pos = self._padded_span(tokens, 0, self.padded(len(tokens)))
+        tok, pos = self.padded_span(tokens, 0, self.padded(len(tokens)))
         return self._forward(tok, pos, len(tokens), "last")[0]
 
     def exact_prefix_len(self, prompt: BlendPrompt) -> int:
@@ -182,9 +183,9 @@ class Blender:
             k, v = jnp.zeros(shape), jnp.zeros(shape)
         if self.prefix_kv is not None:
             k, v = _place_prefix(k, v, *self.prefix_kv)
-        _, pos = self._padded_span(tokens[:exact], 0, padded_exact)
+        _, pos = self.padded_span(tokens[:exact], 0, padded_exact)
         self.pool = fill_pages(self.pool, k, v, jnp.asarray(pos), self._table_dev, layout=self.layout)
-        tok, pos = self._padded_span(tokens[exact:], exact, self.padded(len(tokens) - exact))
+        tok, pos = self.padded_span(tokens[exact:], exact, self.padded(len(tokens) - exact))
         return self._forward(tok, pos, len(tokens), "last")[0]
 
     def blend(
@@ -203,7 +204,7 @@ class Blender:
         """
         roles = prompt.roles
         padded = self.padded(roles.num_tokens)
-        tok, pos = self._padded_span(prompt.tokens, 0, padded)
+        tok, pos = self.padded_span(prompt.tokens, 0, padded)
         k, v = self.reused_kv(prompt, padded) if reused is None else reused
         deltas = self.deltas(prompt, padded) if reused is None else np.zeros(padded, np.int32)
         selectable, forced = roles.masks(padded)
@@ -231,7 +232,7 @@ class Blender:
     def teacher_force(self, prompt_len: int, continuation: np.ndarray) -> jax.Array:
         """Logits [N - 1, V] after feeding continuation[:-1] at positions prompt_len, ... (KV from the pool)."""
         n = len(continuation) - 1
-        tok, pos = self._padded_span(np.asarray(continuation[:-1], np.int32), prompt_len, n)
+        tok, pos = self.padded_span(np.asarray(continuation[:-1], np.int32), prompt_len, n)
         return self._forward(tok, pos, prompt_len + n, "all")[0]
 
     def decode(self, first: int, start: int, steps: int, stop_ids: Sequence[int] = ()) -> tuple[list[int], np.ndarray]:

@@ -64,7 +64,7 @@ def _layer_kv(blender: Blender, prompt: BlendPrompt, layer: int, padded: int) ->
 
 def _inputs(blender: Blender, prompt: BlendPrompt, selection: Selection, padded: int) -> BlendInputs:
     roles = prompt.roles
-    tok, pos = blender._padded_span(prompt.tokens, 0, padded)
+    tok, pos = blender.padded_span(prompt.tokens, 0, padded)
     selectable, forced = roles.masks(padded)
     empty = jnp.zeros((blender.cfg.num_layers, 0, blender.cfg.num_kv_heads, blender.cfg.head_dim))
     return jax.device_put(BlendInputs(
