@@ -1,0 +1,381 @@
+"""Eviction under memory pressure: priority-LRU vs plain LRU vs Belady's offline optimum.
+
+A seeded trace mixes three kinds of content::
+
+    doc request:  | system prompt (prio 90) | document (Zipf-popular, prio 35) | one-off question (prio 10..34) |
+    chat turn:    | system prompt (prio 90) | history: earlier turns and answers (35)        | new user turn (35) |
+
+The same trace is replayed through ``KVCacheManager`` (no model) with the retention configs
+(priority-LRU) and without them (plain LRU: every block at the default 35), each with and
+without a host tier, and the block-access stream is run through Belady's MIN (evict the block
+whose next use is farthest, or bypass the incoming one) with the same capacity, device plus
+host. MIN maximises the hits of any policy that caches what it has seen, so it bounds the
+manager's block hit rate from above. A short run through the real engine replays a small
+trace and checks that its hit rates and offload/onboard bytes equal the simulation's.
+
+    python -m experiments.run --config=configs/eviction.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import pathlib
+import time
+from collections.abc import Iterator, Sequence
+
+import matplotlib
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from experiments import report
+from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, TokenRangeRetentionConfig
+from kvjax.manager import KVCacheManager
+from kvjax.manager.hashing import block_key, root_key
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a synthetic trace.
+
+    Attributes:
+      kind: "doc" (system + document + one-off question) or "chat" (system + history + turn).
+      prompt: prompt token ids.
+      output: the tokens the request generates (committed one at a time in replays).
+      ranges: retention ranges (token_start, token_end, priority) covering the prompt.
+      decode_priority: priority of generated tokens.
+    """
+
+    kind: str
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    ranges: tuple[tuple[int, int, int], ...]
+    decode_priority: int
+
+    def retention(self) -> KvCacheRetentionConfig:
+        """The request's priority-LRU retention config."""
+        return KvCacheRetentionConfig(
+            tuple(TokenRangeRetentionConfig(s, e, p) for s, e, p in self.ranges),
+            decode_retention_priority=self.decode_priority,
+        )
+
+
+def make_trace(cfg: ml_collections.ConfigDict, vocab_size: int) -> list[TraceRequest]:
+    """A seeded trace of ``cfg.num_requests`` requests (see the module docstring).
+
+    Fields used: seed, num_requests, chat_fraction, num_system_prompts, system_tokens,
+    num_documents, document_tokens, zipf_alpha, question_tokens, num_active_chats,
+    max_turns, turn_tokens, doc_output_tokens, chat_output_tokens. Lengths are tokens.
+    """
+    rng = np.random.default_rng(cfg.seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(1, vocab_size, n))
+
+    systems = [tokens(cfg.system_tokens) for _ in range(cfg.num_system_prompts)]
+    docs = [tokens(cfg.document_tokens) for _ in range(cfg.num_documents)]
+    ranks = np.arange(1, cfg.num_documents + 1, dtype=np.float64)
+    popularity = ranks ** -cfg.zipf_alpha
+    popularity /= popularity.sum()
+    chats: list[dict] = [{} for _ in range(cfg.num_active_chats)]
+    trace = []
+    for _ in range(cfg.num_requests):
+        if rng.random() < cfg.chat_fraction:
+            slot = int(rng.integers(cfg.num_active_chats))
+            chat = chats[slot]
+            if not chat or chat["turns"] >= chat["max_turns"]:
+                system = systems[int(rng.integers(cfg.num_system_prompts))]
+                chat = chats[slot] = {"history": system, "system": len(system), "turns": 0,
+                                      "max_turns": int(rng.integers(1, cfg.max_turns + 1))}
+            prompt = chat["history"] + tokens(cfg.turn_tokens)
+            output = tokens(cfg.chat_output_tokens)
+            chat["history"], chat["turns"] = prompt + output, chat["turns"] + 1
+            ranges = ((0, chat["system"], 90), (chat["system"], len(prompt), 35))
+            trace.append(TraceRequest("chat", prompt, output, ranges, 35))
+        else:
+            d = int(rng.choice(cfg.num_documents, p=popularity))
+            system = systems[d % cfg.num_system_prompts]
+            prompt = system + docs[d] + tokens(cfg.question_tokens)
+            s, e = len(system), len(system) + len(docs[d])
+            ranges = ((0, s, 90), (s, e, 35), (e, len(prompt), int(rng.integers(10, 35))))
+            trace.append(TraceRequest("doc", prompt, tokens(cfg.doc_output_tokens), ranges, 10))
+    return trace
+
+
+def make_manager(cfg: ml_collections.ConfigDict, num_host_pages: int) -> KVCacheManager:
+    """A manager with ``cfg.num_device_pages`` device pages (null page included), full attention."""
+    kv = KvCacheConfig(tokens_per_block=cfg.tokens_per_block, host_cache_size=num_host_pages * cfg.bytes_per_page)
+    return KVCacheManager(
+        kv, layer_windows=(cfg.max_seq_len,), num_device_pages=cfg.num_device_pages,
+        num_host_pages=num_host_pages, max_seq_len=cfg.max_seq_len, bytes_per_page=cfg.bytes_per_page,
+    )
+
+
+OP_KINDS = ("match", "allocate", "commit", "decode", "free")
+"""Timed manager calls: add_request (prefix match and reservation, per prompt block),
+allocate (the prompt's pages, evictions included, per new block), commit (the computed
+prompt tokens, per stored block), decode (allocate + commit of one generated token, per
+call) and free_request (per released block)."""
+
+
+@dataclasses.dataclass(slots=True)
+class ReplayResult:
+    """Counters and host time of one replay.
+
+    Attributes:
+      seconds: total host seconds per op kind (see OP_KINDS), wall clock per call.
+      cpu_share: process CPU time / wall time over the replay (< 1 when other jobs took the
+        cores); µs figures are scaled by it to count only the time the manager ran.
+      blocks: block operations per op kind (the divisor of the µs/op figures).
+      calls: manager calls per op kind.
+    """
+
+    token_hit_rate: float
+    block_hit_rate: float
+    device_evictions: int
+    host_evictions: int
+    offloaded_bytes: int
+    onboarded_bytes: int
+    seconds: dict[str, float]
+    blocks: dict[str, int]
+    calls: dict[str, int]
+    cpu_share: float
+
+    def us_per_block(self, kind: str) -> float:
+        """CPU microseconds per block operation of ``kind``."""
+        return 1e6 * self.cpu_share * self.seconds[kind] / max(self.blocks[kind], 1)
+
+    @property
+    def total_s(self) -> float:
+        """CPU seconds in manager calls."""
+        return self.cpu_share * sum(self.seconds.values())
+
+
+def replay(mgr: KVCacheManager, trace: Sequence[TraceRequest], *, priorities: bool, concurrency: int = 1,
+           desc: str | None = None) -> ReplayResult:
+    """Runs the trace through the manager, ``concurrency`` requests at a time.
+
+    Each request is admitted (add_request), its prompt allocated and committed in one chunk,
+    then its output decoded one token per round (allocate + commit), round-robin over the
+    active requests, and freed after its last token. Every manager call is timed.
+    """
+    ps = mgr.page_size
+    seconds = dict.fromkeys(OP_KINDS, 0.0)
+    blocks = dict.fromkeys(OP_KINDS, 0)
+    calls = dict.fromkeys(OP_KINDS, 0)
+    clock = time.perf_counter
+    active: dict[str, tuple[TraceRequest, int]] = {}
+    pending = iter(enumerate(trace))
+    progress = tqdm(total=len(trace), desc=desc, leave=False, disable=desc is None)
+    wall0, cpu0 = clock(), time.process_time()
+
+    def admit() -> bool:
+        nxt = next(pending, None)
+        if nxt is None:
+            return False
+        i, req = nxt
+        rid = f"r{i}"
+        retention = req.retention() if priorities else None
+        t0 = clock()
+        reused = mgr.add_request(rid, req.prompt, retention=retention)
+        t1 = clock()
+        mgr.allocate(rid, len(req.prompt))
+        t2 = clock()
+        mgr.commit_tokens(rid, req.prompt[reused:])
+        t3 = clock()
+        n = len(req.prompt)
+        for kind, dt, nb in (("match", t1 - t0, n // ps), ("allocate", t2 - t1, -(-n // ps) - reused // ps),
+                             ("commit", t3 - t2, n // ps - reused // ps)):
+            seconds[kind] += dt
+            blocks[kind] += nb
+            calls[kind] += 1
+        active[rid] = (req, 0)
+        return True
+
+    def finish(rid: str) -> None:
+        req, _ = active.pop(rid)
+        t0 = clock()
+        mgr.free_request(rid)
+        seconds["free"] += clock() - t0
+        blocks["free"] += -(-(len(req.prompt) + len(req.output)) // ps)
+        calls["free"] += 1
+        progress.update()
+
+    while True:
+        while len(active) < concurrency and admit():
+            pass
+        if not active:
+            break
+        for rid, (req, done) in list(active.items()):
+            if done == len(req.output):
+                finish(rid)
+                continue
+            n = len(req.prompt) + done + 1
+            t0 = clock()
+            mgr.allocate(rid, n)
+            mgr.commit_tokens(rid, req.output[done : done + 1])
+            seconds["decode"] += clock() - t0
+            blocks["decode"] += 1
+            calls["decode"] += 1
+            active[rid] = (req, done + 1)
+    progress.close()
+    cpu_share = min(1.0, (time.process_time() - cpu0) / max(clock() - wall0, 1e-9))
+    s = mgr.stats
+    return ReplayResult(s.token_hit_rate, s.block_hit_rate, s.device_evictions, s.host_evictions,
+                        s.offloaded_bytes, s.onboarded_bytes, seconds, blocks, calls, cpu_share)
+
+
+def block_accesses(trace: Sequence[TraceRequest], tokens_per_block: int) -> Iterator[tuple[bytes, bool]]:
+    """The (block key, is a prompt block) accesses of a sequential replay, in order: each
+    request's full prompt blocks, then the full blocks its output completes."""
+    ps = tokens_per_block
+    root = root_key(None, None)
+    for req in trace:
+        seq = req.prompt + req.output
+        parent = root
+        for b in range(len(seq) // ps):
+            parent = block_key(parent, seq[b * ps : (b + 1) * ps], ())
+            yield parent, b < len(req.prompt) // ps
+
+
+def belady_hit_rate(accesses: Sequence[tuple[bytes, bool]], capacity: int) -> float:
+    """Block hit rate of Belady's MIN with bypass over the prompt-block accesses.
+
+    On a miss with a full cache, the cached block or the incoming one whose next use is
+    farthest (never = infinity) is left out. Runs in O(n log n) with a lazy max-heap.
+    """
+    n = len(accesses)
+    next_use = [n] * n
+    last: dict[bytes, int] = {}
+    for i in range(n - 1, -1, -1):
+        key = accesses[i][0]
+        next_use[i] = last.get(key, n + i)  # distinct "never" values keep the heap order total
+        last[key] = i
+    cached: dict[bytes, int] = {}  # key -> its next use
+    heap: list[tuple[int, bytes]] = []  # (-next use, key), stale when cached[key] differs
+    hits = prompt_blocks = 0
+    for i, (key, is_prompt) in enumerate(accesses):
+        prompt_blocks += is_prompt
+        if key in cached:
+            hits += is_prompt
+        elif capacity == 0:
+            continue
+        elif len(cached) >= capacity:
+            while -heap[0][0] != cached.get(heap[0][1]):
+                heapq.heappop(heap)
+            if -heap[0][0] <= next_use[i]:
+                continue  # bypass: the incoming block is needed last
+            del cached[heapq.heappop(heap)[1]]
+        cached[key] = next_use[i]
+        heapq.heappush(heap, (-next_use[i], key))
+    return hits / prompt_blocks if prompt_blocks else 0.0
+
+
+def simulate(cfg: ml_collections.ConfigDict, trace: Sequence[TraceRequest]) -> list[dict]:
+    """Rows of (policy, host pages) → hit rates, traffic and µs per block op, manager only."""
+    accesses = list(block_accesses(trace, cfg.tokens_per_block))
+    rows = []
+    for host in cfg.host_pages:
+        for policy in ("priority-LRU", "LRU"):
+            res = replay(make_manager(cfg, host), trace, priorities=policy == "priority-LRU", desc=f"{policy} host={host}")
+            rows.append({
+                "policy": policy, "host_pages": host, "token_hit_rate": res.token_hit_rate,
+                "block_hit_rate": res.block_hit_rate, "device_evictions": res.device_evictions,
+                "host_evictions": res.host_evictions, "offloaded_MB": res.offloaded_bytes / 2**20,
+                "onboarded_MB": res.onboarded_bytes / 2**20,
+                **{f"us_per_{k}_block": res.us_per_block(k) for k in OP_KINDS},
+            })
+        rows.append({"policy": "Belady (offline)", "host_pages": host,
+                     "block_hit_rate": belady_hit_rate(accesses, cfg.num_device_pages - 1 + host)})
+    return rows
+
+
+def engine_check(cfg: ml_collections.ConfigDict) -> list[dict]:
+    """A small trace on the real model (one request at a time, one new token each), with a
+    manager-only replay of the same trace on the engine's page counts beside it."""
+    from kvjax.engine import Engine
+    from kvjax.model.registry import load_model
+    from kvjax.sampling import SamplingParams
+
+    e = cfg.engine
+    model = load_model(cfg.model, cfg.gguf_path or None)
+    trace_cfg = ml_collections.ConfigDict({**cfg.trace.to_dict(), **e.trace.to_dict()})
+    trace = [dataclasses.replace(r, output=()) for r in make_trace(trace_cfg, model.config.vocab_size)]
+    sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    rows = []
+    for host_mb in (0, e.host_cache_mb):
+        for policy in ("priority-LRU", "LRU"):
+            kv = KvCacheConfig(tokens_per_block=cfg.tokens_per_block, max_tokens=e.max_tokens,
+                               host_cache_size=int(host_mb * 2**20))
+            engine = Engine(model, kv, SchedulerConfig(max_num_tokens=e.max_seq_len, prefill_chunk_size=e.max_seq_len),
+                            max_seq_len=e.max_seq_len)
+            start = time.perf_counter()
+            for req in tqdm(trace, desc=f"engine {policy} host={host_mb}MB", leave=False):
+                engine.generate([req.prompt], sampling, retention=req.retention() if policy == "priority-LRU" else None)
+            seconds = time.perf_counter() - start
+            mgr = engine.manager
+            twin = KVCacheManager(kv, layer_windows=mgr.layer_windows, num_device_pages=mgr.num_device_pages,
+                                  num_host_pages=mgr.num_host_pages, max_seq_len=mgr.max_seq_len,
+                                  bytes_per_page=mgr.bytes_per_page)
+            sim = replay(twin, trace, priorities=policy == "priority-LRU")
+            s = mgr.stats
+            rows.append({
+                "policy": policy, "host_pages": mgr.num_host_pages, "device_pages": mgr.num_device_pages - 1,
+                "block_hit_rate": s.block_hit_rate, "sim_block_hit_rate": sim.block_hit_rate,
+                "token_hit_rate": s.token_hit_rate, "sim_token_hit_rate": sim.token_hit_rate,
+                "offloaded_MB": s.offloaded_bytes / 2**20, "sim_offloaded_MB": sim.offloaded_bytes / 2**20,
+                "onboarded_MB": s.onboarded_bytes / 2**20, "sim_onboarded_MB": sim.onboarded_bytes / 2**20,
+                "engine_s": seconds,
+            })
+    return rows
+
+
+def plot(rows: Sequence[dict], path: pathlib.Path) -> None:
+    """Grouped bars: block hit rate per policy, without and with the host tier."""
+    hosts = sorted({r["host_pages"] for r in rows})
+    policies = ["LRU", "priority-LRU", "Belady (offline)"]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    width = 0.8 / len(policies)
+    for j, policy in enumerate(policies):
+        values = [next(r["block_hit_rate"] for r in rows if r["policy"] == policy and r["host_pages"] == h) for h in hosts]
+        bars = ax.bar(np.arange(len(hosts)) + (j - 1) * width, values, width, label=policy)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(np.arange(len(hosts)), [f"host pages = {h}" for h in hosts])
+    ax.set_ylabel("block hit rate")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("Eviction policy under memory pressure (same trace)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
+    sim_cfg = ml_collections.ConfigDict({**config.to_dict(), **config.trace.to_dict()})
+    trace = make_trace(sim_cfg, config.vocab_size)
+    rows = simulate(sim_cfg, trace)
+    plot(rows, workdir / "hit_rates.png")
+    report.write_csv(workdir / "simulation.csv", rows)
+    engine_rows = engine_check(config) if config.engine.enabled else []
+    if engine_rows:
+        report.write_csv(workdir / "engine.csv", engine_rows)
+    kinds = {k: sum(1 for r in trace if r.kind == k) for k in ("doc", "chat")}
+    sections = [
+        ("Trace", f"{len(trace)} requests ({kinds['doc']} doc, {kinds['chat']} chat), "
+                  f"{sum(len(r.prompt) for r in trace)} prompt tokens, {config.tokens_per_block} tokens/block, "
+                  f"{config.num_device_pages - 1} device pages.\n"),
+        ("Hit rates (manager-only simulation)", report.markdown_table(
+            rows, ["policy", "host_pages", "block_hit_rate", "token_hit_rate", "device_evictions", "host_evictions",
+                   "offloaded_MB", "onboarded_MB"])),
+        ("Host cost, µs per block operation", report.markdown_table(
+            [r for r in rows if "us_per_match_block" in r], ["policy", "host_pages"] + [f"us_per_{k}_block" for k in OP_KINDS])),
+        ("Hit rates", "![hit rates](hit_rates.png)\n"),
+    ]
+    if engine_rows:
+        sections.append((f"Real engine ({config.model}) vs the same trace in the simulator", report.markdown_table(engine_rows)))
+    report.write_summary(workdir, "Eviction: priority-LRU vs LRU vs Belady", sections)
+    return {"trace_requests": len(trace), "simulation": rows, "engine": engine_rows}
