@@ -11,7 +11,7 @@ Three parts, side by side in one run folder (``memory.md`` table, ``memory.png``
              engine (Gemma 3's own 512-token windows; SmolLM2 with ``max_attention_window``);
   offload    distinct prompts still reusable after a fill, with 0 or N x the device cache
              as host cache (checked once by re-running the oldest prompt).
-The default takes about 5 minutes on 2 CPU cores (mostly compiling the engines' buckets).
+The default takes about 8 minutes on 2 CPU cores (mostly compiling the engines' buckets).
 """
 
 import ml_collections

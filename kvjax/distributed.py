@@ -53,6 +53,7 @@ Shapes: S = sequences, T = query tokens, D = d_model, H = heads, K = kv heads, F
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -179,11 +180,14 @@ def init_sharded_pool(layout: CacheLayout, mesh: Mesh) -> PagePool:
     """A zeroed pool created in place on ``mesh`` (no device ever holds the whole pool)."""
     check_layout(layout, mesh)
     sharding = pool_sharding(mesh)
+    k = tuple(_sharded_zeros(layout.page_shape(i), layout.dtype, sharding) for i in range(layout.num_layers))
+    v = tuple(_sharded_zeros(layout.page_shape(i), layout.dtype, sharding) for i in range(layout.num_layers))
+    return PagePool(k=k, v=v)
 
-    def zeros(layer: int) -> jax.Array:
-        return jax.jit(jnp.zeros, static_argnums=(0, 1), out_shardings=sharding)(layout.page_shape(layer), layout.jnp_dtype)
 
-    return PagePool(k=tuple(zeros(i) for i in range(layout.num_layers)), v=tuple(zeros(i) for i in range(layout.num_layers)))
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
+def _sharded_zeros(shape: tuple[int, ...], dtype: str, sharding: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)
 
 
 def replicate(tree, mesh: Mesh):
