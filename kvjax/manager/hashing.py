@@ -146,7 +146,20 @@ def block_key(parent: BlockKey, token_ids: Sequence[int], extra: tuple[HashedIte
       token_ids: the block's tokens (tokens_per_block of them), each in [0, MAX_TOKEN_ID].
       extra: multimodal items overlapping the block (see :func:`items_in`).
     """
-    return chain_keys(parent, pack_ids(token_ids), len(token_ids), extra)[0]
+    return _key(parent, pack_ids(token_ids), extra)
+
+
+def _key(parent: BlockKey, token_bytes: bytes, extra: tuple[HashedItem, ...]) -> BlockKey:
+    """One block's key from its packed tokens; a single BLAKE3 call when there are no extras
+    (the same digest as hashing ``parent`` and the tokens in two updates)."""
+    if not extra:
+        return blake3.blake3(parent + token_bytes).digest()
+    hasher = blake3.blake3(parent)
+    hasher.update(token_bytes)
+    for it in extra:
+        hasher.update(it.digest)
+        hasher.update(struct.pack("<qq", it.offset, it.length))
+    return hasher.digest()
 
 
 def pack_ids(token_ids: Sequence[int]) -> bytes:
@@ -164,28 +177,20 @@ def chain_keys(
 
     Args:
       parent: key of the block before the first one (a request root for block 0).
-      token_bytes: the blocks' token ids as int32 little-endian (:func:`pack_ids`), ``4 * tokens_per_block`` bytes per block; a trailing partial block
-        is ignored.
+      token_bytes: the blocks' token ids as int32 little-endian (:func:`pack_ids`),
+        ``4 * tokens_per_block`` bytes per block; a trailing partial block is ignored.
       tokens_per_block: tokens per block.
-      items: multimodal items of the whole range (offsets relative to its first token).
+      items: multimodal items of the whole range; offsets count from the first token of
+        ``token_bytes`` (a prompt's positions).
 
-    One BLAKE3 call per block over ``parent || tokens`` (the same digest as
-    :func:`block_key`'s streaming form); items add their digest and span.
+    Each key equals :func:`block_key` of that block with the items overlapping it.
     """
     width = 4 * tokens_per_block
     keys = []
     for b in range(len(token_bytes) // width):
         start = b * tokens_per_block
         extra = items_in(items, start, start + tokens_per_block) if items else ()
-        if extra:
-            hasher = blake3.blake3(parent)
-            hasher.update(token_bytes[b * width : (b + 1) * width])
-            for it in extra:
-                hasher.update(it.digest)
-                hasher.update(struct.pack("<qq", it.offset, it.length))
-            parent = hasher.digest()
-        else:
-            parent = blake3.blake3(parent + token_bytes[b * width : (b + 1) * width]).digest()
+        parent = _key(parent, token_bytes[b * width : (b + 1) * width], extra)
         keys.append(parent)
     return keys
 
