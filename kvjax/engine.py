@@ -190,6 +190,55 @@ class Engine:
         self.requests[request_id] = RequestRecord(sched=sched, sampling=sampling, submit_time=time.perf_counter())
         return request_id
 
+    def adopt_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        logits: jax.Array,
+        sampling: SamplingParams = SamplingParams(),
+        *,
+        retention: KvCacheRetentionConfig | dict | None = None,
+        cache_salt: str | None = None,
+        num_reused_tokens: int = 0,
+        submit_time: float | None = None,
+    ) -> str:
+        """Adds a request whose prompt KV is already in its pages (registered with the manager,
+        every prompt token committed): samples its first token from ``logits`` [V] and hands
+        it to the scheduler, which decodes it with the other requests (``Scheduler.adopt``).
+
+        Args:
+          submit_time: ``time.perf_counter()`` when its prefill began (TTFT), default now.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        stop = None if sampling.ignore_eos else (
+            sampling.stop_token_id if sampling.stop_token_id is not None else self.model.config.eos_ids[0]
+        )
+        sched = SchedulerRequest(
+            request_id=request_id, prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
+            max_new_tokens=sampling.max_new_tokens, eos_token_id=stop, retention=as_retention_config(retention),
+            cache_salt=cache_salt, num_reused_tokens=num_reused_tokens,
+        )
+        record = RequestRecord(sched=sched, sampling=sampling, submit_time=submit_time or time.perf_counter())
+        self.requests[request_id] = record
+        work = ScheduledRequest(request_id, (), len(sched.prompt_token_ids), True, True)
+        try:
+            token = self._sample([work], logits[None])[request_id]
+            sched.output_token_ids.append(token)
+            finished = self.scheduler.adopt(sched)
+        except Exception:
+            del self.requests[request_id]
+            raise
+        record.first_token_time = time.perf_counter()
+        if finished:
+            record.finished, record.finish_time = True, record.first_token_time
+        return request_id
+
+    def execute_page_ops(self) -> None:
+        """Runs the manager's queued page operations (offload, onboard, copy) on the pools now;
+        for callers that acquire or allocate blocks outside ``step()``."""
+        self._execute_page_ops()
+
     # ------------------------------------------------------------------ stepping
 
     @property

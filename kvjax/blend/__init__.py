@@ -2,7 +2,9 @@
 
 from kvjax.blend.blender import Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore, StoredChunk
+from kvjax.blend.engine_blend import BlendReport, blend_salt, submit_blended
 from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
+from kvjax.blend.managed_store import ManagedChunkStore
 from kvjax.blend.reposition import reposition_keys, reposition_layers
 from kvjax.blend.selection import Roles, Selection, SelectionConfig
 
@@ -10,13 +12,17 @@ __all__ = [
     "BlendInputs",
     "BlendPlan",
     "BlendPrompt",
+    "BlendReport",
     "Blender",
     "ChunkStore",
+    "ManagedChunkStore",
     "Roles",
     "Selection",
     "SelectionConfig",
     "StoredChunk",
     "blend_prefill",
+    "blend_salt",
     "reposition_keys",
     "reposition_layers",
+    "submit_blended",
 ]

@@ -215,7 +215,7 @@ class Blender:
             tokens=tok, positions=pos, reused_k=k, reused_v=v, deltas=deltas,
             selectable=selectable, forced=forced, rows=selection.rows, rows_valid=selection.rows_valid,
             counts=selection.counts, block_table=self.table[None], length=np.asarray([roles.num_tokens], np.int32),
-            probes=probes,
+            probes=probes, num_cached=np.int32(0),
         )
         plan = BlendPlan(checks=selection.checks, deviation=selection.deviation, num_probes=num_probes)
         logits, self.pool, trace = blend_prefill(

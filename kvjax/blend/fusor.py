@@ -68,6 +68,9 @@ class BlendInputs:
       block_table: [1, pages_per_seq] int32 pages of the sequence.
       length: [1] int32 prompt length.
       probes: [P] int32 positions whose attention output is traced (-1 = none).
+      num_cached: [] int32 leading tokens whose KV the pages already hold (blocks matched by
+        prefix reuse, possibly shared with other requests): their reused KV is not written
+        and they must not be rows, so no shared page is ever written (0 = write all).
     """
 
     tokens: jax.Array
@@ -83,6 +86,7 @@ class BlendInputs:
     block_table: jax.Array
     length: jax.Array
     probes: jax.Array
+    num_cached: jax.Array
 
 
 @flax.struct.dataclass
@@ -130,7 +134,8 @@ def blend_layer(
     theta = cfg.layer_rope_theta[layer]
     bt = inputs.block_table
     reused_k = reposition_keys(reused_k, inputs.deltas, theta)  # [T, K, d]
-    page_ids, offsets = slot_mapping(bt, inputs.positions[None], layout.page_size)
+    write_pos = jnp.where(inputs.positions >= inputs.num_cached, inputs.positions, -1)  # [T]
+    page_ids, offsets = slot_mapping(bt, write_pos[None], layout.page_size)
     pool_k = write_layer(pool_k, page_ids, offsets, reused_k[None])
     pool_v = write_layer(pool_v, page_ids, offsets, reused_v[None])
 

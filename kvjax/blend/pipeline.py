@@ -71,7 +71,7 @@ def _inputs(blender: Blender, prompt: BlendPrompt, selection: Selection, padded:
         tokens=tok, positions=pos, reused_k=empty, reused_v=empty, deltas=blender.deltas(prompt, padded),
         selectable=selectable, forced=forced, rows=selection.rows, rows_valid=selection.rows_valid,
         counts=selection.counts, block_table=blender.table[None], length=np.asarray([roles.num_tokens], np.int32),
-        probes=np.zeros(0, np.int32),
+        probes=np.zeros(0, np.int32), num_cached=np.int32(0),
     ))
 
 

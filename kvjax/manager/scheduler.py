@@ -141,6 +141,46 @@ class Scheduler:
         )
         self.waiting.append(request)
 
+    def adopt(self, request: SchedulerRequest) -> bool:
+        """Takes over a request whose prompt was prefilled outside the scheduler (a blended
+        prefill, ``kvjax.blend.engine_blend``); it decodes from the next step on.
+
+        The request must already be registered with the manager with every prompt token
+        committed, and carry its first sampled token in ``output_token_ids``. If it is
+        preempted later it restarts as an ordinary prefill (exact KV), like any request.
+
+        Returns:
+          Whether it already finished (first token is EOS or max_new_tokens is 1); then its
+          cache references are dropped and it never runs.
+        """
+        rid = request.request_id
+        if rid in self.running or any(r.request_id == rid for r in self.waiting):
+            raise ValueError(f"request_id={rid!r} is already queued or running")
+        prompt = tuple(request.prompt_token_ids)
+        committed = self.manager.num_tokens(rid)
+        if committed != len(prompt):
+            raise ValueError(
+                f"request {rid!r} has {committed} committed tokens; adopt() needs all len(prompt)={len(prompt)} committed"
+            )
+        if len(request.output_token_ids) != 1:
+            raise ValueError(f"output_token_ids={request.output_token_ids!r} must hold exactly the first sampled token")
+        if len(prompt) + request.max_new_tokens > self.manager.max_seq_len:
+            raise ValueError(
+                f"len(prompt)={len(prompt)} + max_new_tokens={request.max_new_tokens} "
+                f"exceeds max_seq_len={self.manager.max_seq_len}"
+            )
+        request.prompt_token_ids = prompt
+        request.prompt_keys = self.manager.prompt_block_keys(
+            prompt, cache_salt=request.cache_salt, lora_id=request.lora_id, mm_items=request.mm_items
+        )
+        request.num_computed_tokens = len(prompt)
+        token = request.output_token_ids[0]
+        if request.max_new_tokens == 1 or token == request.eos_token_id:
+            self.manager.free_request(rid)
+            return True
+        self.running[rid] = request
+        return False
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

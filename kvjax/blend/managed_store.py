@@ -1,0 +1,250 @@
+"""Chunk KV stored as blocks in the engine's cache manager (SPEC C1, DESIGN "one tree").
+
+Storing a chunk prefills it through the engine as an ordinary request under a per-variant
+*chunk scope*: the cache salt ``"chunk:<variant>"`` gives its blocks their own root, so the
+same radix tree, priority-LRU eviction, retention priorities, host offload, events and
+snapshots serve chunks and prefixes alike, while no chunk block can ever match a request
+prefix (different root) and the three variants never match each other:
+
+  "pos0"    stored request = chunk            (the chunk starts at position 0)
+  "bos"     stored request = BOS + chunk      (the chunk KV is computed behind BOS)
+  "system"  stored request = system + chunk   (behind the shared system prompt)
+
+Looking chunks up (``acquire``) registers one short-lived lookup request per chunk with the
+same tokens under the same salt: the manager matches the chunk's cached blocks, takes
+references on them and queues onboards for blocks offloaded to the host tier, which the
+engine executes at once. ``gather_slots`` then reads the KV of every prompt token from the
+engine's pages in one jitted gather, and ``release`` drops the references (the blocks stay
+cached, LRU-ordered by this use).
+
+Only *full* blocks enter the tree, so the last ``(len(variant prefix) + n) % page_size``
+tokens of a chunk (its *tail*) have no stored KV: the blend path always recomputes them
+(``Lease.covered`` says how many tokens of each chunk are stored). A lookup appends one
+sentinel token so a chunk that ends exactly on a block boundary still matches its last block
+(the manager always leaves the last prompt token to compute).
+
+Shapes: L = layers, T = padded prompt tokens, K = kv heads, d = head_dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import NULL_PAGE, PagePool
+from kvjax.config import KvCacheRetentionConfig
+from kvjax.engine import Engine
+from kvjax.sampling import SamplingParams
+
+Variant = Literal["pos0", "bos", "system"]
+VARIANTS = ("pos0", "bos", "system")
+SENTINEL = 0
+"""Token appended to a lookup so its last full block is matchable (never stored)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lease:
+    """Blocks held by a lookup, until ``release``.
+
+    Attributes:
+      request_ids: one lookup request per looked-up token sequence.
+      tables: per lookup, its device page ids (one per block, group 0).
+      covered: per lookup, leading tokens of the looked-up sequence with stored KV.
+    """
+
+    request_ids: tuple[str, ...]
+    tables: tuple[tuple[int, ...], ...]
+    covered: tuple[int, ...]
+
+
+@dataclasses.dataclass(slots=True)
+class StoreStats:
+    """Counters of a managed chunk store.
+
+    Attributes:
+      puts: ``put`` calls; computed: chunks prefilled through the engine (the rest were
+        already cached on some tier).
+      lookups: chunks looked up; hit_tokens: chunk tokens whose KV a lookup found;
+        missed_tokens: chunk tokens without stored KV (tails, evicted blocks), recomputed.
+      onboarded_pages: host pages brought back to the device by lookups.
+    """
+
+    puts: int = 0
+    computed: int = 0
+    lookups: int = 0
+    hit_tokens: int = 0
+    missed_tokens: int = 0
+    onboarded_pages: int = 0
+
+
+@jax.jit
+def gather_slots(pool: PagePool, page_ids: jax.Array, offsets: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """KV of arbitrary cache slots in every layer; zeros where ``valid`` is False.
+
+    Args:
+      page_ids, offsets, valid: [T] int32, int32, bool (invalid slots may name any page).
+
+    Returns:
+      (k, v), each [L, T, K, d].
+    """
+    mask = valid[:, None, None]
+
+    def read(pages: jax.Array) -> jax.Array:
+        return jnp.where(mask, pages[page_ids, offsets], 0)  # [T, K, d]
+
+    return jnp.stack([read(p) for p in pool.k]), jnp.stack([read(p) for p in pool.v])
+
+
+class ManagedChunkStore:
+    """Chunk KV as blocks of ``engine.manager`` under a chunk scope.
+
+    Args:
+      engine: the engine whose manager, pages and host tier hold the chunks. Its cache must
+        have one layer group (every layer full attention).
+      variant: start variant ("pos0", "bos", "system").
+      prefix_tokens: the shared system prompt (the "system" variant).
+      retention: retention of chunk blocks (priorities, durations), applied when stored and
+        again on every lookup; None = default priority.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        variant: Variant = "system",
+        prefix_tokens: Sequence[int] = (),
+        retention: KvCacheRetentionConfig | dict | None = None,
+    ) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
+        if variant == "system" and not prefix_tokens:
+            raise ValueError("variant='system' needs the shared prefix_tokens")
+        if engine.layout.num_groups != 1:
+            raise ValueError(
+                f"the engine's cache has {engine.layout.num_groups} layer groups (windows "
+                f"{engine.manager.group_windows}); the managed chunk store needs 1 (full attention)"
+            )
+        if not engine.kv_config.enable_block_reuse:
+            raise ValueError("kv_cache_config.enable_block_reuse=False: chunks cannot be stored as reusable blocks")
+        self.engine = engine
+        self.variant = variant
+        self.retention = retention
+        self.prefix_tokens = tuple(int(t) for t in prefix_tokens)
+        bos = engine.model.config.bos_id
+        self.variant_prefix: tuple[int, ...] = {"pos0": (), "bos": (bos,), "system": self.prefix_tokens}[variant]
+        self.salt = f"chunk:{variant}"
+        self.stats = StoreStats()
+        self._ids = itertools.count()
+
+    @property
+    def stored_start(self) -> int:
+        """Position of a chunk's first token when its KV was computed."""
+        return len(self.variant_prefix)
+
+    @property
+    def page_size(self) -> int:
+        return self.engine.manager.page_size
+
+    def stored_tokens(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The request that stores a chunk: variant prefix + chunk."""
+        return (*self.variant_prefix, *(int(t) for t in tokens))
+
+    def num_storable(self, num_tokens: int) -> int:
+        """Tokens of an ``num_tokens``-token chunk that fall in full blocks (the rest is its tail)."""
+        full = (self.stored_start + num_tokens) // self.page_size * self.page_size
+        return max(0, full - self.stored_start)
+
+    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """Manager keys of the chunk's full blocks under its chunk scope."""
+        return self.engine.manager.prompt_block_keys(self.stored_tokens(tokens), cache_salt=self.salt)
+
+    def num_cached(self, tokens: Sequence[int]) -> int:
+        """Chunk tokens whose blocks are cached now, on any tier (no side effects)."""
+        lookup = (*self.stored_tokens(tokens), SENTINEL)
+        found = self.engine.manager.estimate_reusable_tokens(lookup, cache_salt=self.salt)
+        return max(0, min(found, self.stored_start + len(tokens)) - self.stored_start)
+
+    # ------------------------------------------------------------------ store
+    def put(self, tokens: Sequence[int]) -> int:
+        """Stores a chunk (prefilled through the engine unless its blocks are all cached).
+
+        The prefill runs as a request of the engine, so ``engine.step()`` runs until it ends:
+        other requests in flight advance meanwhile.
+
+        Returns:
+          The chunk tokens with stored KV (``num_storable``).
+        """
+        if not tokens:
+            raise ValueError("a chunk must hold at least one token")
+        self.stats.puts += 1
+        storable = self.num_storable(len(tokens))
+        if storable and self.num_cached(tokens) >= storable:
+            return storable
+        rid = self.engine.submit(
+            self.stored_tokens(tokens), SamplingParams(max_new_tokens=1, ignore_eos=True),
+            retention=self.retention, cache_salt=self.salt, request_id=f"{self.salt}/store-{next(self._ids)}",
+        )
+        while not self.engine.requests[rid].finished:
+            self.engine.step()
+        del self.engine.requests[rid]
+        self.stats.computed += 1
+        return storable
+
+    # ------------------------------------------------------------------ lookup
+    def acquire(self, sequences: Sequence[Sequence[int]], cache_salt: str | None = "") -> Lease:
+        """Takes references on the cached blocks of each token sequence and brings host blocks
+        back to the device (the engine executes the onboards now).
+
+        Args:
+          sequences: full token sequences as stored (``stored_tokens(chunk)`` for a chunk; an
+            ordinary prompt prefix with ``cache_salt=None``).
+          cache_salt: scope of the lookups; "" = this store's chunk scope.
+        """
+        manager = self.engine.manager
+        salt = self.salt if cache_salt == "" else cache_salt
+        ids, tables, covered = [], [], []
+        onboarded = manager.stats.onboarded_pages
+        try:
+            for seq in sequences:
+                rid = f"{self.salt}/lookup-{next(self._ids)}"
+                found = manager.add_request(rid, (*seq, SENTINEL), retention=self.retention, cache_salt=salt)
+                ids.append(rid)
+                tables.append(tuple(manager.block_table(rid, 0)))
+                covered.append(min(found, len(seq)))
+        except Exception:
+            self.release(Lease(tuple(ids), (), ()))
+            raise
+        self.engine.execute_page_ops()
+        self.stats.onboarded_pages += manager.stats.onboarded_pages - onboarded
+        return Lease(tuple(ids), tuple(tables), tuple(covered))
+
+    def release(self, lease: Lease) -> None:
+        """Drops a lease's references; the blocks stay cached."""
+        for rid in lease.request_ids:
+            self.engine.manager.free_request(rid)
+
+    def slots(self, table: Sequence[int], stored: range, padded: int, at: int) -> tuple[np.ndarray, ...]:
+        """Slot arrays placing stored positions ``stored`` at prompt tokens ``at, at + 1, ...``.
+
+        Returns:
+          (page_ids [padded] int32, offsets [padded] int32, valid [padded] bool).
+        """
+        ps = self.page_size
+        page_ids = np.full(padded, NULL_PAGE, np.int32)
+        offsets = np.zeros(padded, np.int32)
+        valid = np.zeros(padded, bool)
+        pos = np.asarray(stored, np.int64)
+        dst = np.arange(at, at + len(pos))
+        page_ids[dst] = np.asarray(table, np.int32)[pos // ps]
+        offsets[dst] = pos % ps
+        valid[dst] = True
+        return page_ids, offsets, valid
+
+
+__all__ = ["Lease", "ManagedChunkStore", "SENTINEL", "StoreStats", "VARIANTS", "gather_slots"]
