@@ -27,6 +27,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.store.variant = "system"  # chunk KV computed at: pos0 | bos | system (behind the system prompt)
     config.store.tier = "device"  # where chunk KV waits: device | host | disk
     config.store.device_capacity = 8192  # device-arena token slots (cleared per prompt)
+    # standalone: policies read chunk KV from ChunkStore arrays. manager: additionally stores
+    # chunks as engine blocks (ManagedChunkStore) and runs CacheBlend end to end through the
+    # engine (submit_blended + Engine.step decoding); chunk tails are recomputed there, so its
+    # numbers differ slightly from the standalone row and standalone stays the default.
+    config.store.backend = "standalone"
+    config.store.manager_max_tokens = 16384  # engine cache size (tokens) for the manager backend
 
     config.policy = ml_collections.ConfigDict()
     config.policy.recompute_ratio = 0.15  # share of chunk tokens recomputed (selectors)

@@ -28,9 +28,14 @@ from kvjax import metrics
 from kvjax.blend import loading_controller, selection
 from kvjax.blend.blender import Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
+from kvjax.blend.engine_blend import submit_blended
+from kvjax.blend.managed_store import ManagedChunkStore
 from kvjax.blend.pipeline import pipelined_blend
 from kvjax.blend.reposition import reposition_layers
+from kvjax.config import KvCacheConfig, SchedulerConfig
+from kvjax.engine import Engine
 from kvjax.model.registry import load_model
+from kvjax.sampling import SamplingParams
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -134,6 +139,28 @@ def _evaluate(blender, prompt, result: PrefillResult, ref: Reference, config, st
         oracle_ids = np.setdiff1d(oracle.rows[oracle.rows_valid], np.arange(prompt.roles.suffix_start, n))
         out["recall"] = metrics.recall(final, oracle_ids)
     return out
+
+
+def _engine_blend(
+    store: ManagedChunkStore, prompt: BlendPrompt, sel_cfg, ref: Reference, standalone: jax.Array, n: int,
+    token_bucket: int, salt: str | None = None,
+) -> dict:
+    """CacheBlend end to end through the engine: chunks from the manager, fused KV in the
+    request's pages, ``n`` greedy tokens decoded by ``Engine.step`` (compared free-running).
+    ``salt`` overrides the blend scope (the warm-up uses its own, so the timed run matches nothing)."""
+    sampling = SamplingParams(max_new_tokens=n, ignore_eos=True, return_logits=True)
+    rep = submit_blended(store, prompt, sel_cfg, sampling, token_bucket=token_bucket, salt=salt)
+    out = store.engine.run()[0]
+    first = np.asarray(out.logits[0])[None]
+    tokens = np.asarray(out.output)
+    diverged = np.flatnonzero(tokens != ref.continuation[: len(tokens)])
+    return {
+        "ttft_s": rep.prefill_s, "kl_first": float(metrics.kl_divergence(ref.logits[:1], first)[0]),
+        "kl_vs_standalone": float(metrics.kl_divergence(np.asarray(standalone)[None], first)[0]),
+        "token_agree": float(np.mean(tokens == ref.continuation[: len(tokens)])),
+        "first_div": int(diverged[0]) if len(diverged) else len(tokens),
+        "chunk_hit": rep.chunk_hit, "tail_forced": rep.num_tail, "onboarded_pages": rep.onboarded_pages,
+    }
 
 
 def _ci_row(name: str, per_prompt: list[dict], ttfts: list[float], base_ttft: list[float], nboot: int, seed: int) -> dict:
@@ -246,6 +273,17 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     )
     ratio = config.policy.recompute_ratio
     sel_cfg = _selection_config(config, ratio)
+    if config.store.backend not in ("standalone", "manager"):
+        raise ValueError(f"store.backend={config.store.backend!r} must be 'standalone' or 'manager'")
+    managed = None
+    if config.store.backend == "manager":
+        engine = Engine(
+            model, KvCacheConfig(tokens_per_block=config.runtime.page_size, max_tokens=config.store.manager_max_tokens,
+                                 event_buffer_max_size=100_000),
+            SchedulerConfig(), max_seq_len=max_tokens + config.runtime.token_bucket, attn_impl=config.runtime.attn_impl,
+        )
+        managed = ManagedChunkStore(engine, variant=config.store.variant, prefix_tokens=examples[0].prefix)
+    engine_rows: list[dict] = []
     rng = np.random.default_rng(config.seed)
     policies = [p for p in POLICIES if p in config.policies]
     sweep = [(name, r) for name in config.sweep.policies for r in config.sweep.ratios]
@@ -281,6 +319,14 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                 result, t = _timed(lambda: run(name, ratio, ref.true_dev))
             ttft[name].append(t)
             per_policy[name].append(_evaluate(blender, prompt, result, ref, config, stop_ids, tok, example.answer, True))
+        if managed is not None:
+            n_engine, bucket = config.eval.continuation_tokens, config.runtime.token_bucket
+            for chunk in prompt.chunks:  # offline precompute, untimed like the standalone store
+                managed.put(chunk)
+            if i == 0:  # compile the engine path before timing it
+                _engine_blend(managed, prompt, sel_cfg, ref, full_result.logits, n_engine, bucket, salt="warm-up")
+            standalone = run("cacheblend", ratio).logits
+            engine_rows.append(_engine_blend(managed, prompt, sel_cfg, ref, standalone, n_engine, bucket))
         if i < config.sweep.num_prompts:
             for name, r in tqdm(sweep, desc="sweep", leave=False):
                 result, t = _timed(lambda: run(name, r, ref.true_dev))
@@ -360,6 +406,16 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         pipe_store.clear()
         blender.store = store
 
+    engine_path = None
+    if managed is not None:
+        report.write_csv(workdir / "engine_path.csv", engine_rows)
+        events = managed.engine.manager.get_kv_cache_events()
+        engine_path = {
+            **{k: float(np.mean([r[k] for r in engine_rows])) for k in engine_rows[0]},
+            "store": dataclasses.asdict(managed.stats),
+            "events": {kind: sum(e.kind == kind for e in events) for kind in ("stored", "removed", "updated")},
+            "manager": {k: getattr(managed.engine.manager.stats, k) for k in ("num_requests", "reused_tokens", "stored_blocks", "onboarded_pages")},
+        }
     elapsed = time.perf_counter() - started
     table = report.markdown_table(rows, columns)
     sections = [
@@ -378,6 +434,9 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                                 f"{np.mean(dev_stats['adjacent_spearman_by_layer']):.3f}.\n"),
         ("Loading controller", report.markdown_table(tier_rows) + f"\nchosen at the min ratio: {chosen}\n"),
         ("Layer-wise pipeline", (report.markdown_table([pipeline]) if pipeline else "(disabled)\n")),
+        ("CacheBlend through the engine (store.backend=manager)", "(store.backend=standalone)\n" if engine_path is None else
+         report.markdown_table([{k: v for k, v in engine_path.items() if not isinstance(v, dict)}])
+         + f"\nchunk store {engine_path['store']}; events {engine_path['events']}; manager {engine_path['manager']}\n"),
         ("Figures", "kv_deviation_cdf.png, deviation_concentration.png, adjacent_layer_correlation.png, "
                     "quality_vs_ratio.png, kv_deviation_by_layer.png\n"),
     ]
@@ -387,5 +446,5 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         "policies": rows, "paired_vs_cacheblend": paired, "by_task": by_task, "sweep": sweep_rows,
         "per_prompt": {name: [{k: v for k, v in p.items() if not isinstance(v, np.ndarray)} for p in per_policy[name]] for name in policies},
         "deviation": dev_stats, "controller": {"tiers": tier_rows, "chosen": chosen}, "pipeline": pipeline,
-        "run_seconds": elapsed,
+        "engine_path": engine_path, "run_seconds": elapsed,
     }
