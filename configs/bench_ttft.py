@@ -12,7 +12,8 @@ For every prompt length, in one run on SmolLM2-135M:
               reused out of prefix order, r of the chunk tokens recomputed (kvjax.blend).
 Each cell runs ``warmup`` untimed rounds (compiles every shape) and reports the median of
 ``repeats``, with fresh random tokens per round. Writes ``ttft.md``/``ttft.csv`` and
-``ttft.png``. The default takes about 8 minutes on 2 CPU cores.
+``ttft.png``. The default took 22 minutes on a shared 2-core CPU (mostly the 2048-token
+rounds); ``--config.lengths='(256, 1024)' --config.repeats=2`` is a quicker look.
 """
 
 import ml_collections
