@@ -256,7 +256,9 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         raise ValueError(f"policies={tuple(config.policies)} must include 'full_recompute' and only names from {POLICIES}")
     model = load_model(config.model)
     cfg, tok = model.config, model.tokenizer
-    stop_ids = tuple(cfg.eos_ids) + tuple(tok.encode("<|im_end|>", add_bos=False))
+    # Chat models stop at <|im_end|>; a base model's answer (after the prefilled stem) ends at a newline.
+    stop_text = "<|im_end|>" if tok.chat_format == "chatml" else "\n"
+    stop_ids = tuple(cfg.eos_ids) + tuple(tok.encode(stop_text, add_bos=False))
     examples = make_examples(
         tok, num=config.num_prompts, seed=config.seed, tasks=tuple(config.workload.tasks),
         num_chunks=tuple(config.workload.num_chunks), chunk_tokens=tuple(config.workload.chunk_tokens),

@@ -14,6 +14,7 @@ import datetime
 import importlib
 import pathlib
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -23,9 +24,18 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; default runs/<experiment>-<timestamp>.")
 
 
+def enable_compilation_cache() -> None:
+    """Persists XLA executables under the kvjax cache so a repeated run skips compilation."""
+    from kvjax.model.gguf_loader import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    enable_compilation_cache()
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config=configs/<name>.py is required")

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import numpy as np
 import pytest
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+# Compiled XLA executables persist across processes (notebook kernels, subprocess tests,
+# reruns): the environment variables reach child processes, jax.config this one.
+_XLA_CACHE = pathlib.Path(os.environ.get("KVJAX_CACHE_DIR", pathlib.Path.home() / ".cache" / "kvjax")) / "xla"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_XLA_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 
 @pytest.fixture(scope="session")

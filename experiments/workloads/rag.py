@@ -82,8 +82,8 @@ def _pick(rng: np.random.Generator, items: Sequence[str], n: int) -> list[str]:
     return [items[i] for i in rng.choice(len(items), size=n, replace=False)]
 
 
-def _facts(task: str, rng: np.random.Generator) -> tuple[list[str], str, str]:
-    """(fact sentences, one per fact chunk, question, answer)."""
+def _facts(task: str, rng: np.random.Generator) -> tuple[list[str], str, str, str]:
+    """(fact sentences, one per fact chunk, question, answer, answer stem)."""
     first, last = _pick(rng, _FIRST, 1)[0], _pick(rng, _LAST, 1)[0]
     person = f"{first} {last}"
     if task == "cross_chunk_binding":
@@ -91,13 +91,13 @@ def _facts(task: str, rng: np.random.Generator) -> tuple[list[str], str, str]:
         return (
             [f"In these records, the codename {code} always refers to {person}.",
              f"The password of {code} is {number}."],
-            f"What is the password of {person}?", number,
+            f"What is the password of {person}?", number, f"The password of {person} is",
         )
     if task == "two_hop":
         office, city = _pick(rng, _OFFICES, 1)[0], _pick(rng, _CITIES, 1)[0]
         return (
             [f"{person} works at the {office} office.", f"The {office} office is located in {city}."],
-            f"In which city does {person} work?", city,
+            f"In which city does {person} work?", city, f"{person} works in the city of",
         )
     if task == "scoped_override":
         project = _pick(rng, _PROJECTS, 1)[0]
@@ -105,11 +105,12 @@ def _facts(task: str, rng: np.random.Generator) -> tuple[list[str], str, str]:
         return (
             [f"Update: the {project} project moved from room {old} to room {new}; later notes naming room {old} are outdated.",
              f"The {project} project meets in room {old}."],
-            f"In which room does the {project} project meet now?", new,
+            f"In which room does the {project} project meet now?", new, f"The {project} project now meets in room",
         )
     if task == "single_chunk":
         number = str(rng.integers(1000, 10000))
-        return [f"The password of {person} is {number}."], f"What is the password of {person}?", number
+        return ([f"The password of {person} is {number}."], f"What is the password of {person}?", number,
+                f"The password of {person} is")
     raise ValueError(f"task={task!r} must be one of {TASKS}")
 
 
@@ -137,6 +138,10 @@ def make_examples(
 ) -> list[RagExample]:
     """``num`` examples cycling through ``tasks``, reproducible from ``seed``.
 
+    A chat model (``tokenizer.chat_format``) gets a ChatML prompt; a base model (Gemma 3 270M)
+    gets plain text behind BOS ending in a prefilled answer stem ("Answer: The password of
+    Ivan Petrov is"), so its greedy continuation is the answer.
+
     Args:
       num_chunks: (min, max) chunks per prompt, within [3, 8] and at least the facts' count.
       chunk_tokens: (min, max) tokens per chunk, within [64, 512]; lengths are drawn in
@@ -149,15 +154,19 @@ def make_examples(
     if not (64 <= chunk_tokens[0] <= chunk_tokens[1] <= 512):
         raise ValueError(f"chunk_tokens={chunk_tokens} must satisfy 64 <= min <= max <= 512")
     rng = np.random.default_rng(seed)
-    prefix = tuple(tokenizer.encode(
-        f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\nDocuments:", add_bos=False
-    ))
+    chat = tokenizer.chat_format == "chatml"
+    if chat:
+        prefix = tuple(tokenizer.encode(
+            f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\nDocuments:", add_bos=False
+        ))
+    else:
+        prefix = tuple(tokenizer.encode(f"{system_prompt}\n\nDocuments:", add_bos=True))
     lengths = np.arange(chunk_tokens[0], chunk_tokens[1] + 1)
     lengths = lengths[lengths % 64 == 0] if np.any(lengths % 64 == 0) else lengths
     examples = []
     for i in range(num):
         task = tasks[i % len(tasks)]
-        facts, question, answer = _facts(task, rng)
+        facts, question, answer, stem = _facts(task, rng)
         n = int(rng.integers(num_chunks[0], num_chunks[1] + 1))
         order = rng.permutation(n)  # order[j] = prompt slot of chunk j; chunks 0..len(facts)-1 hold facts
         if task == "scoped_override" and order[0] > order[1]:
@@ -166,9 +175,11 @@ def make_examples(
         for j in range(n):
             fact = facts[j] if j < len(facts) else None
             contents[order[j]] = _chunk_tokens(tokenizer, rng, int(rng.choice(lengths)), fact)
-        suffix = tokenizer.encode(
-            f"\nQuestion: {question} Answer with the value only.<|im_end|>\n<|im_start|>assistant\n", add_bos=False
-        )
+        if chat:
+            text = f"\nQuestion: {question} Answer with the value only.<|im_end|>\n<|im_start|>assistant\n"
+        else:
+            text = f"\n\nQuestion: {question}\nAnswer: {stem}"
+        suffix = tokenizer.encode(text, add_bos=False)
         examples.append(RagExample(
             task=task, prefix=prefix, chunks=tuple(contents), suffix=tuple(suffix), answer=answer,
             fact_chunks=tuple(int(order[j]) for j in range(len(facts))), question=question,
