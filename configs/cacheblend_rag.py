@@ -15,6 +15,7 @@ def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.experiment = "cacheblend"  # module experiments.cacheblend
     config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m
+    config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
     config.seed = 0  # workload, random selection and bootstrap seed
     config.num_prompts = 6  # prompts evaluated (bootstrap units); scale to hundreds for tight intervals
 
