@@ -37,10 +37,9 @@ def test_architecture_from_gguf(gemma):
 
 
 def test_tokenizer_round_trip_and_sentencepiece_parity(gemma, reference_text):
-    spm = pytest.importorskip("sentencepiece")
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     import gguf
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
 
     reader = gguf.GGUFReader(gemma.path)
     proto = pb.ModelProto()
