@@ -33,21 +33,37 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (``True`` is an ``int`` in Python, never a size here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_tuple(field: str, value: Any, what: str) -> tuple:
+    """``value`` as a tuple when it is a list or tuple; else a ConfigError naming ``field``."""
+    _require(isinstance(value, (list, tuple)), f"{field}={value!r} must be a list of {what}")
+    return tuple(value)
+
+
 def _check_priority(field: str, value: Any) -> None:
     _require(
-        isinstance(value, int) and not isinstance(value, bool) and MIN_PRIORITY <= value <= MAX_PRIORITY,
+        _is_int(value) and MIN_PRIORITY <= value <= MAX_PRIORITY,
         f"{field}={value!r} must be an int in [{MIN_PRIORITY}, {MAX_PRIORITY}] (100 = most important)",
     )
 
 
 def _check_duration(field: str, value: Any) -> None:
     _require(
-        value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
+        value is None or (_is_number(value) and value > 0 and value != float("inf")),
         f"{field}={value!r} must be None (no expiry) or a positive number of milliseconds",
     )
 
 
 def _from_mapping(cls: type, mapping: Mapping[str, Any], where: str) -> Any:
+    _require(isinstance(mapping, Mapping), f"{where}={mapping!r} must be a mapping of field names to values")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(mapping) - names)
     _require(not unknown, f"{where}: unknown field(s) {unknown}; allowed: {sorted(names)}")
@@ -74,11 +90,11 @@ class TokenRangeRetentionConfig:
 
     def __post_init__(self) -> None:
         _require(
-            isinstance(self.token_start, int) and self.token_start >= 0,
+            _is_int(self.token_start) and self.token_start >= 0,
             f"token_start={self.token_start!r} must be an int >= 0",
         )
         _require(
-            self.token_end is None or (isinstance(self.token_end, int) and self.token_end > self.token_start),
+            self.token_end is None or (_is_int(self.token_end) and self.token_end > self.token_start),
             f"token_end={self.token_end!r} must be None (to the end) or an int > token_start={self.token_start}",
         )
         _check_priority("priority", self.priority)
@@ -100,9 +116,10 @@ class KvCacheRetentionConfig:
     decode_duration_ms: float | None = None
 
     def __post_init__(self) -> None:
+        given = _as_tuple("token_range_retention_configs", self.token_range_retention_configs, "token ranges")
         ranges = tuple(
             r if isinstance(r, TokenRangeRetentionConfig) else _from_mapping(TokenRangeRetentionConfig, r, "token range")
-            for r in self.token_range_retention_configs
+            for r in given
         )
         object.__setattr__(self, "token_range_retention_configs", ranges)
         _check_priority("decode_retention_priority", self.decode_retention_priority)
@@ -162,39 +179,39 @@ class KvCacheConfig:
     def __post_init__(self) -> None:
         t = self.tokens_per_block
         _require(
-            isinstance(t, int) and 1 <= t <= 1024 and (t & (t - 1)) == 0,
+            _is_int(t) and 1 <= t <= 1024 and (t & (t - 1)) == 0,
             f"tokens_per_block={t!r} must be a power of two in [1, 1024]",
         )
-        _require(self.dtype in KV_DTYPES, f"dtype={self.dtype!r} must be one of {KV_DTYPES}")
+        _require(isinstance(self.dtype, str) and self.dtype in KV_DTYPES, f"dtype={self.dtype!r} must be one of {KV_DTYPES}")
         f = self.free_gpu_memory_fraction
         _require(
-            isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 < f < 1.0,
+            _is_number(f) and 0.0 < f < 1.0,
             f"free_gpu_memory_fraction={f!r} must be a float in the open interval (0, 1)",
         )
         _require(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens > 0),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens > 0),
             f"max_tokens={self.max_tokens!r} must be None or a positive int",
         )
         _require(
-            self.free_memory_bytes is None or (isinstance(self.free_memory_bytes, int) and self.free_memory_bytes > 0),
+            self.free_memory_bytes is None or (_is_int(self.free_memory_bytes) and self.free_memory_bytes > 0),
             f"free_memory_bytes={self.free_memory_bytes!r} must be None (measure) or a positive int",
         )
         for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
             _require(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
         _require(
-            isinstance(self.host_cache_size, int) and self.host_cache_size >= 0,
+            _is_int(self.host_cache_size) and self.host_cache_size >= 0,
             f"host_cache_size={self.host_cache_size!r} must be an int >= 0 (bytes)",
         )
         _check_priority("secondary_offload_min_priority", self.secondary_offload_min_priority)
         if self.max_attention_window is not None:
-            window = tuple(self.max_attention_window)
+            window = _as_tuple("max_attention_window", self.max_attention_window, "positive ints (one window per layer, cycled)")
             object.__setattr__(self, "max_attention_window", window)
             _require(
-                len(window) > 0 and all(isinstance(w, int) and w > 0 for w in window),
+                len(window) > 0 and all(_is_int(w) and w > 0 for w in window),
                 f"max_attention_window={window!r} must be a non-empty list of positive ints",
             )
         _require(
-            isinstance(self.event_buffer_max_size, int) and self.event_buffer_max_size >= 0,
+            _is_int(self.event_buffer_max_size) and self.event_buffer_max_size >= 0,
             f"event_buffer_max_size={self.event_buffer_max_size!r} must be an int >= 0",
         )
         v2 = self.use_kv_cache_manager_v2
@@ -239,7 +256,7 @@ class SchedulerConfig:
         )
         for name in ("max_num_tokens", "max_batch_size", "prefill_chunk_size"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive int")
+            _require(_is_int(value) and value > 0, f"{name}={value!r} must be a positive int")
         _require(
             self.prefill_chunk_size <= self.max_num_tokens,
             f"prefill_chunk_size={self.prefill_chunk_size} must be <= max_num_tokens={self.max_num_tokens}",
@@ -262,8 +279,14 @@ def load_llm_config(source: Mapping[str, Any] | str) -> tuple[KvCacheConfig, Sch
     _require(isinstance(mapping, Mapping), f"config source must be a mapping, got {type(mapping).__name__}")
     unknown = sorted(set(mapping) - {"kv_cache_config", "scheduler_config"})
     _require(not unknown, f"unknown section(s) {unknown}; allowed: ['kv_cache_config', 'scheduler_config']")
-    kv = KvCacheConfig.from_dict(mapping.get("kv_cache_config") or {})
-    sched = SchedulerConfig.from_dict(mapping.get("scheduler_config") or {})
+    sections = {name: mapping.get(name) for name in ("kv_cache_config", "scheduler_config")}
+    for name, section in sections.items():
+        _require(
+            section is None or isinstance(section, Mapping),
+            f"{name}={section!r} must be a mapping of field names to values (or absent for the defaults)",
+        )
+    kv = KvCacheConfig.from_dict(sections["kv_cache_config"] or {})
+    sched = SchedulerConfig.from_dict(sections["scheduler_config"] or {})
     return kv, sched
 
 

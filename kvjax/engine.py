@@ -13,6 +13,16 @@ Each ``step()``:
 
 When a step cannot get pages, the scheduler preempts the newest running request (its
 blocks stay cached) and re-admits it later; no page another request owns is ever written.
+
+Failures are per request. ``submit()`` validates every argument before touching any state
+and raises ``ValueError`` (``ConfigError`` for retention configs) naming the field; a failure
+that still happens inside a step finishes only the request whose work raised, with
+``finish_reason="error"`` and the message in ``RequestOutput.error``, while the others go on.
+
+Threading: one re-entrant lock guards the engine's state; ``submit``, ``abort``, ``step``,
+``output`` and the blocking helpers (``generate``, ``run``, ``stream``) may be called from any
+thread. The intended shape is one thread stepping while others submit; several threads
+stepping (e.g. each calling ``generate``) is also safe, each step then serving all requests.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -28,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention
-from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, choose_cache_size, init_pool
+from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, choose_cache_size, init_pool, require_fits
 from kvjax.cache.pool import copy_pages, read_pages, write_pages
 from kvjax.config import ConfigError, KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, as_retention_config
 from kvjax.manager import KVCacheManager, MultimodalItem, PageOp
@@ -36,6 +48,8 @@ from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerReques
 from kvjax.model.registry import Model
 from kvjax.model.transformer import forward
 from kvjax.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -55,6 +69,38 @@ def prefill_bucket(n: int) -> int:
     return bucket(n, 16) if n <= PREFILL_STEP else -(-n // PREFILL_STEP) * PREFILL_STEP
 
 
+def check_token_ids(token_ids: object, vocab_size: int, field: str = "prompt_token_ids") -> tuple[int, ...]:
+    """``token_ids`` as a tuple of Python ints, or a ``ValueError`` naming ``field``.
+
+    Accepts a sequence of Python/NumPy integers or a 1-D integer array; rejects strings,
+    bools, floats (even integral ones: ``5.0`` is a caller's bug, not a token), nested
+    sequences, empty inputs and ids outside ``[0, vocab_size)``.
+    """
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise ValueError(f"{field} must be a sequence of int token ids, got {type(token_ids).__name__}")
+    if isinstance(token_ids, np.ndarray) or hasattr(token_ids, "dtype"):
+        array = np.asarray(token_ids)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"{field} must be a 1-D integer array, got shape {array.shape} dtype {array.dtype}")
+        ids = tuple(int(t) for t in array)
+    else:
+        wrong = [t for t in token_ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
+        if wrong:
+            raise ValueError(f"{field} must hold int token ids; got {wrong[:5]!r} ({type(wrong[0]).__name__})")
+        ids = tuple(int(t) for t in token_ids)
+    if not ids:
+        raise ValueError(f"{field} must not be empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{field} contains {bad[:5]}: token ids must be in [0, {vocab_size})")
+    return ids
+
+
+def _check_optional_str(field: str, value: object) -> None:
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"{field}={value!r} must be None or a non-empty str")
+
+
 @dataclasses.dataclass(slots=True)
 class RequestRecord:
     """What the engine keeps per request beside the scheduler's progress.
@@ -72,6 +118,8 @@ class RequestRecord:
     finish_time: float | None = None
     finished: bool = False
     num_preemptions: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,10 +127,13 @@ class RequestOutput:
     """A request's result.
 
     Attributes:
+      finish_reason: None while running; "stop" (EOS or stop token), "length"
+        (max_new_tokens), "abort" (``Engine.abort``) or "error" (its work raised; see ``error``).
       num_reused_tokens: prompt tokens served from the cache (prefill skipped).
       ttft_s: seconds from submission to the first generated token.
       latency_s: seconds from submission to the last token.
       logits: per generated token, [V] float32 (only with ``return_logits``).
+      error: the exception that finished the request, as "Type: message".
     """
 
     request_id: str
@@ -93,6 +144,7 @@ class RequestOutput:
     ttft_s: float | None
     latency_s: float | None
     logits: list[np.ndarray]
+    error: str | None = None
 
 
 class Engine:
@@ -104,6 +156,9 @@ class Engine:
       scheduler_config: token budget, batch size, chunking, prefix-aware scheduling.
       max_seq_len: longest prompt + generation; default the model's context length.
       attn_impl: "auto" | "reference" | "interpret" (see ``kvjax.attention``).
+      max_finished_requests: finished requests whose outputs stay readable by id; older ones
+        are forgotten (``generate``/``run``/``stream`` return their own outputs regardless).
+        A finished request's id may be reused.
     """
 
     def __init__(
@@ -114,8 +169,11 @@ class Engine:
         *,
         max_seq_len: int | None = None,
         attn_impl: attention.Impl = "auto",
+        max_finished_requests: int = 1024,
     ) -> None:
         cfg = model.config
+        if isinstance(max_finished_requests, bool) or not isinstance(max_finished_requests, int) or max_finished_requests < 1:
+            raise ValueError(f"max_finished_requests={max_finished_requests!r} must be an int >= 1")
         if kv_cache_config.use_kv_cache_manager_v2 == "true":
             raise ConfigError(
                 f"use_kv_cache_manager_v2='true' is not supported for model {cfg.name!r}: kvjax implements the "
@@ -146,6 +204,7 @@ class Engine:
         self.layout = dataclasses.replace(probe, num_pages=(num_pages,) * probe.num_groups)
         bytes_per_page = [self.layout.bytes_per_page(g) for g in range(self.layout.num_groups)]
         num_host_pages = kv_cache_config.host_cache_size // sum(bytes_per_page)
+        require_fits(kv_cache_config, self.cache_size, num_host_pages * sum(bytes_per_page))
         self.manager = KVCacheManager(
             kv_cache_config, layer_windows=windows, num_device_pages=num_pages, num_host_pages=num_host_pages,
             max_seq_len=self.max_seq_len, bytes_per_page=bytes_per_page,
@@ -154,16 +213,21 @@ class Engine:
         self.host_pools = [self.layout.host_zeros(g, num_host_pages) for g in range(self.layout.num_groups)] if num_host_pages else []
         self.scheduler = Scheduler(scheduler_config, self.manager)
         self.requests: dict[str, RequestRecord] = {}
+        self.max_finished_requests = max_finished_requests
+        self._finished: dict[str, None] = {}
+        """Finished request ids, oldest first (an insertion-ordered set)."""
+        self._lock = threading.RLock()
         self._ids = itertools.count()
         self.timings = collections.Counter()
         """Cumulative seconds and token counts by phase (prefill / decode / page_ops)."""
 
     def set_manager(self, manager: KVCacheManager) -> None:
         """Swaps in another manager (a restored snapshot); the engine must be idle."""
-        if self.has_work:
-            raise ValueError("set_manager needs an idle engine: finish or drop queued/running requests first")
-        self.manager = manager
-        self.scheduler = Scheduler(self.scheduler_config, manager)
+        with self._lock:
+            if self.has_work:
+                raise ValueError("set_manager needs an idle engine: finish or drop queued/running requests first")
+            self.manager = manager
+            self.scheduler = Scheduler(self.scheduler_config, manager)
 
     # ------------------------------------------------------------------ submission
 
@@ -178,28 +242,87 @@ class Engine:
         mm_items: Sequence[MultimodalItem] = (),
         request_id: str | None = None,
     ) -> str:
-        """Queues a request; returns its id. Validates before touching any state."""
-        prompt = tuple(int(t) for t in prompt_token_ids)
+        """Queues a request; returns its id.
+
+        Every argument is validated before any state changes: a bad one raises ``ValueError``
+        (``ConfigError`` for ``retention``) naming it, and the engine goes on as before.
+        """
         vocab = self.model.config.vocab_size
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[:5]}: token ids must be in [0, {vocab})")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
+        prompt = check_token_ids(prompt_token_ids, vocab)
+        sched = self._scheduler_request(prompt, sampling, request_id, retention, cache_salt)
+        if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, (int, np.integer)) or lora_id < 0):
+            raise ValueError(f"lora_id={lora_id!r} must be None or an int >= 0")
+        if not all(isinstance(item, MultimodalItem) for item in mm_items):
+            raise ValueError(f"mm_items must be a sequence of MultimodalItem, got {list(mm_items)[:3]!r}")
+        sched.lora_id, sched.mm_items = lora_id, tuple(mm_items)
+        with self._lock:
+            self._release_id(sched.request_id)
+            self.scheduler.add(sched)
+            self.requests[sched.request_id] = RequestRecord(sched=sched, sampling=sampling, submit_time=time.perf_counter())
+        return sched.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a queued or running request: its pages are freed (full committed blocks stay
+        cached), its output so far is kept with ``finish_reason="abort"``.
+
+        Returns:
+          Whether the request was still queued or running (False if finished or unknown).
+        """
+        with self._lock:
+            record = self.requests.get(request_id)
+            if record is None or record.finished or not self.scheduler.abort(request_id):
+                return False
+            self._finish(request_id, "abort")
+            return True
+
+    def _scheduler_request(
+        self,
+        prompt: tuple[int, ...],
+        sampling: SamplingParams,
+        request_id: str | None,
+        retention: KvCacheRetentionConfig | dict | None,
+        cache_salt: str | None,
+        num_reused_tokens: int = 0,
+    ) -> SchedulerRequest:
+        """A request's scheduler entry from validated arguments (``submit``, ``adopt_prefilled``)."""
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        vocab = self.model.config.vocab_size
+        if sampling.stop_token_id is not None and sampling.stop_token_id >= vocab:
+            raise ValueError(f"sampling.stop_token_id={sampling.stop_token_id} must be in [0, {vocab})")
+        _check_optional_str("request_id", request_id)
+        _check_optional_str("cache_salt", cache_salt)
         stop = None if sampling.ignore_eos else (
             sampling.stop_token_id if sampling.stop_token_id is not None else self.model.config.eos_ids[0]
         )
-        sched = SchedulerRequest(
-            request_id=request_id, prompt_token_ids=prompt, max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=stop, retention=as_retention_config(retention), cache_salt=cache_salt,
-            lora_id=lora_id, mm_items=tuple(mm_items),
+        return SchedulerRequest(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=prompt, max_new_tokens=sampling.max_new_tokens, eos_token_id=stop,
+            retention=as_retention_config(retention), cache_salt=cache_salt, num_reused_tokens=num_reused_tokens,
         )
-        self.scheduler.add(sched)
-        self.requests[request_id] = RequestRecord(sched=sched, sampling=sampling, submit_time=time.perf_counter())
-        return request_id
+
+    def _release_id(self, request_id: str) -> None:
+        """Frees a finished request's id for reuse; raises if the id is live."""
+        record = self.requests.get(request_id)
+        if record is None:
+            return
+        if not record.finished:
+            raise ValueError(f"request_id={request_id!r} is already in use by a request that has not finished")
+        del self.requests[request_id]
+        self._finished.pop(request_id, None)
+
+    def _forget_oldest_finished(self) -> None:
+        while len(self._finished) > self.max_finished_requests:
+            oldest = next(iter(self._finished))
+            del self._finished[oldest]
+            del self.requests[oldest]
+
+    def _finish(self, request_id: str, reason: str | None = None, error: str | None = None) -> None:
+        record = self.requests[request_id]
+        record.finished, record.finish_time = True, time.perf_counter()
+        record.finish_reason, record.error = reason, error
+        self._finished[request_id] = None
+        self._forget_oldest_finished()
 
     def adopt_prefilled(
         self,
@@ -220,35 +343,30 @@ class Engine:
         Args:
           submit_time: ``time.perf_counter()`` when its prefill began (TTFT), default now.
         """
-        if request_id in self.requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        stop = None if sampling.ignore_eos else (
-            sampling.stop_token_id if sampling.stop_token_id is not None else self.model.config.eos_ids[0]
-        )
-        sched = SchedulerRequest(
-            request_id=request_id, prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
-            max_new_tokens=sampling.max_new_tokens, eos_token_id=stop, retention=as_retention_config(retention),
-            cache_salt=cache_salt, num_reused_tokens=num_reused_tokens,
-        )
-        record = RequestRecord(sched=sched, sampling=sampling, submit_time=submit_time or time.perf_counter())
-        self.requests[request_id] = record
-        work = ScheduledRequest(request_id, (), len(sched.prompt_token_ids), True, True)
-        try:
-            token = self._sample([work], logits[None])[request_id]
-            sched.output_token_ids.append(token)
-            finished = self.scheduler.adopt(sched)
-        except Exception:
-            del self.requests[request_id]
-            raise
-        record.first_token_time = time.perf_counter()
-        if finished:
-            record.finished, record.finish_time = True, record.first_token_time
-        return request_id
+        prompt = check_token_ids(prompt_token_ids, self.model.config.vocab_size)
+        sched = self._scheduler_request(prompt, sampling, request_id, retention, cache_salt, num_reused_tokens)
+        with self._lock:
+            self._release_id(request_id)
+            record = RequestRecord(sched=sched, sampling=sampling, submit_time=submit_time or time.perf_counter())
+            self.requests[request_id] = record
+            work = ScheduledRequest(request_id, (), len(sched.prompt_token_ids), True, True)
+            try:
+                token = self._sample([work], logits[None])[request_id]
+                sched.output_token_ids.append(token)
+                finished = self.scheduler.adopt(sched)
+            except Exception:
+                del self.requests[request_id]
+                raise
+            record.first_token_time = time.perf_counter()
+            if finished:
+                self._finish(request_id)
+            return request_id
 
     def execute_page_ops(self) -> None:
         """Runs the manager's queued page operations (offload, onboard, copy) on the pools now;
         for callers that acquire or allocate blocks outside ``step()``."""
-        self._execute_page_ops()
+        with self._lock:
+            self._execute_page_ops()
 
     # ------------------------------------------------------------------ stepping
 
@@ -257,66 +375,103 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[tuple[str, int]]:
-        """One engine iteration; returns the (request_id, token) pairs generated."""
-        plan = self.scheduler.schedule()
-        for rid in plan.preempted:
-            record = self.requests[rid]
-            record.num_preemptions += 1
-            record.logits.clear()
-            record.first_token_time = None
-        self._execute_page_ops()
-        sampled: dict[str, int] = {}
-        prefills = [w for w in plan.scheduled if w.is_prefill]
-        decodes = [w for w in plan.scheduled if not w.is_prefill]
-        for work in prefills:
-            sampled.update(self._run([work], "prefill"))
-        if decodes:
-            sampled.update(self._run(decodes, "decode"))
-        now = time.perf_counter()
-        for rid in sampled:
-            record = self.requests[rid]
-            if record.first_token_time is None:
-                record.first_token_time = now
-        for rid in self.scheduler.finish_step(sampled):
-            self.requests[rid].finished = True
-            self.requests[rid].finish_time = now
-        return list(sampled.items())
+        """One engine iteration; returns the (request_id, token) pairs generated.
+
+        A request whose forward or sampling raises is finished with ``finish_reason="error"``
+        (a failing decode batch is retried one request at a time to find it); the others
+        in the step go on.
+        """
+        with self._lock:
+            plan = self.scheduler.schedule()
+            for rid in plan.preempted:
+                record = self.requests[rid]
+                record.num_preemptions += 1
+                record.logits.clear()
+                record.first_token_time = None
+            self._execute_page_ops()
+            sampled: dict[str, int] = {}
+            failed: dict[str, str] = {}
+            prefills = [w for w in plan.scheduled if w.is_prefill]
+            decodes = [w for w in plan.scheduled if not w.is_prefill]
+            for work in prefills:
+                sampled.update(self._run_isolated([work], "prefill", failed))
+            if decodes:
+                sampled.update(self._run_isolated(decodes, "decode", failed))
+            for rid, message in failed.items():
+                self.scheduler.abort(rid)
+                self._finish(rid, "error", message)
+            now = time.perf_counter()
+            for rid in sampled:
+                record = self.requests[rid]
+                if record.first_token_time is None:
+                    record.first_token_time = now
+            for rid in self.scheduler.finish_step(sampled):
+                self._finish(rid)
+            return list(sampled.items())
+
+    def _run_isolated(self, works: Sequence[ScheduledRequest], phase: str, failed: dict[str, str]) -> dict[str, int]:
+        """``_run`` that confines a failure to the request that caused it (into ``failed``)."""
+        try:
+            return self._run(works, phase)
+        except Exception as e:
+            if len(works) > 1:
+                sampled: dict[str, int] = {}
+                for work in works:
+                    sampled.update(self._run_isolated([work], phase, failed))
+                return sampled
+            rid = works[0].request_id
+            log.warning("request %r failed in %s: %s: %s", rid, phase, type(e).__name__, e)
+            failed[rid] = f"{type(e).__name__}: {e}"
+            return {}
 
     def run(self) -> list[RequestOutput]:
         """Steps until every submitted request has finished; outputs in submission order."""
-        pending = [rid for rid, r in self.requests.items() if not r.finished]
+        with self._lock:
+            pending = [(rid, r) for rid, r in self.requests.items() if not r.finished]
         while self.has_work:
             self.step()
-        return [self.output(rid) for rid in pending]
+        return [_to_output(rid, r) for rid, r in pending]
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(), **kwargs) -> list[RequestOutput]:
-        """Submits ``prompts`` (token ids) and runs them to completion."""
-        ids = [self.submit(p, sampling, **kwargs) for p in prompts]
-        while not all(self.requests[i].finished for i in ids):
+        """Submits ``prompts`` (token ids) and runs them to completion.
+
+        All or nothing at submission: if one prompt is rejected, the ones already queued by
+        this call are aborted and the error is raised.
+        """
+        pending: list[tuple[str, RequestRecord]] = []
+        try:
+            for p in prompts:
+                rid = self.submit(p, sampling, **kwargs)
+                pending.append((rid, self.requests[rid]))
+        except Exception:
+            for rid, _ in pending:
+                self.abort(rid)
+            raise
+        while not all(r.finished for _, r in pending):
             self.step()
-        return [self.output(i) for i in ids]
+        return [_to_output(rid, r) for rid, r in pending]
 
     def stream(self, prompt_token_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), **kwargs) -> Iterator[int]:
         """Yields a request's tokens as they are generated (other requests keep running)."""
         rid = self.submit(prompt_token_ids, sampling, **kwargs)
-        while not self.requests[rid].finished:
-            for emitted_id, token in self.step():
-                if emitted_id == rid:
-                    yield token
+        record = self.requests[rid]
+        emitted = 0
+        while not record.finished:
+            self.step()
+            tokens = record.sched.output_token_ids
+            yield from tokens[emitted:]
+            emitted = len(tokens)
 
     def output(self, request_id: str) -> RequestOutput:
-        r = self.requests[request_id]
-        output = list(r.sched.output_token_ids)
-        reason = None
-        if r.finished:
-            reason = "stop" if output and output[-1] == r.sched.eos_token_id else "length"
-        return RequestOutput(
-            request_id=request_id, prompt=list(r.sched.prompt_token_ids), output=output, finish_reason=reason,
-            num_reused_tokens=r.sched.num_reused_tokens,
-            ttft_s=None if r.first_token_time is None else r.first_token_time - r.submit_time,
-            latency_s=None if r.finish_time is None else r.finish_time - r.submit_time,
-            logits=list(r.logits),
-        )
+        """A request's output so far (final once ``finish_reason`` is set)."""
+        with self._lock:
+            record = self.requests.get(request_id)
+            if record is None:
+                raise KeyError(
+                    f"request_id={request_id!r} is unknown: never submitted, or finished and forgotten "
+                    f"(outputs of the last max_finished_requests={self.max_finished_requests} finished requests are kept)"
+                )
+            return _to_output(request_id, record)
 
     # ------------------------------------------------------------------ execution
 
@@ -408,3 +563,17 @@ class Engine:
             if wants_logits[i]:
                 self.requests[w.request_id].logits.append(host_logits[i])
         return sampled
+
+
+def _to_output(request_id: str, r: RequestRecord) -> RequestOutput:
+    output = list(r.sched.output_token_ids)
+    reason = r.finish_reason
+    if r.finished and reason is None:
+        reason = "stop" if output and output[-1] == r.sched.eos_token_id else "length"
+    return RequestOutput(
+        request_id=request_id, prompt=list(r.sched.prompt_token_ids), output=output, finish_reason=reason,
+        num_reused_tokens=r.sched.num_reused_tokens,
+        ttft_s=None if r.first_token_time is None else r.first_token_time - r.submit_time,
+        latency_s=None if r.finish_time is None else r.finish_time - r.submit_time,
+        logits=list(r.logits), error=r.error,
+    )

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+MAX_SEED = 2**31 - 1
+"""Largest sampling seed: seeds travel to the device as int32."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,12 +36,28 @@ class SamplingParams:
     return_logits: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy)")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        if not (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed={self.seed!r} must be an int in [0, {MAX_SEED}] (an int32 key)")
+        if self.stop_token_id is not None and not (_is_int(self.stop_token_id) and self.stop_token_id >= 0):
+            raise ValueError(f"stop_token_id={self.stop_token_id!r} must be None (the model's EOS) or a token id >= 0")
+        for name in ("ignore_eos", "return_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+
+
+def _is_int(value: object) -> bool:
+    """An integer (Python or NumPy) that is not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, (float, np.floating))) and not math.isnan(value)
 
 
 @jax.jit

@@ -87,3 +87,47 @@ def test_fraction_accepts_exactly_the_open_unit_interval(f):
     else:
         with pytest.raises(ConfigError, match="free_gpu_memory_fraction"):
             KvCacheConfig(free_gpu_memory_fraction=f)
+
+
+@pytest.mark.parametrize("field", ["tokens_per_block", "max_tokens", "host_cache_size", "free_memory_bytes", "event_buffer_max_size"])
+def test_booleans_are_not_sizes(field):
+    with pytest.raises(ConfigError, match=rf"{field}=True must be"):
+        KvCacheConfig(**{field: True})
+
+
+@pytest.mark.parametrize("field", ["max_num_tokens", "max_batch_size", "prefill_chunk_size"])
+def test_booleans_are_not_scheduler_sizes(field):
+    with pytest.raises(ConfigError, match=rf"{field}=True must be a positive int"):
+        SchedulerConfig(**{field: True})
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("kv_cache_config: false\n", r"kv_cache_config=False must be a mapping of field names to values"),
+        ("kv_cache_config: 5\n", r"kv_cache_config=5 must be a mapping"),
+        ("scheduler_config: [1, 2]\n", r"scheduler_config=\[1, 2\] must be a mapping"),
+        ("kv_cache_config:\n  max_attention_window: 4096\n", r"max_attention_window=4096 must be a list of positive ints"),
+        ("- 1\n", r"config source must be a mapping, got list"),
+    ],
+)
+def test_yaml_sections_of_the_wrong_type(source, message):
+    with pytest.raises(ConfigError, match=message):
+        load_llm_config(source)
+
+
+def test_empty_yaml_sections_mean_defaults():
+    kv, sched = load_llm_config("kv_cache_config:\nscheduler_config:\n")
+    assert kv == KvCacheConfig() and sched == SchedulerConfig()
+
+
+def test_retention_shapes_are_checked():
+    with pytest.raises(ConfigError, match=r"token_range_retention_configs=TokenRangeRetentionConfig\(.*\) must be a list of token ranges"):
+        KvCacheRetentionConfig(TokenRangeRetentionConfig(0, 4, 50))
+    with pytest.raises(ConfigError, match=r"token range=5 must be a mapping"):
+        KvCacheRetentionConfig([5])
+    with pytest.raises(ConfigError, match=r"token_start=True must be an int >= 0"):
+        TokenRangeRetentionConfig(True, 4, 50)
+    with pytest.raises(ConfigError, match=r"duration_ms=inf must be None"):
+        TokenRangeRetentionConfig(0, 4, 50, duration_ms=float("inf"))
+    assert KvCacheRetentionConfig([{"token_start": 0, "token_end": 4, "priority": 90}]).priority_at(1) == (90, None)

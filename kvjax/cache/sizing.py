@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import psutil
 
-from kvjax.config import KvCacheConfig
+from kvjax.config import ConfigError, KvCacheConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,3 +54,31 @@ def choose_cache_size(config: KvCacheConfig, bytes_per_token: int) -> CacheSize:
     if config.max_tokens is not None and config.max_tokens <= by_fraction:
         return CacheSize(config.max_tokens, bytes_per_token, free, "max_tokens")
     return CacheSize(by_fraction, bytes_per_token, free, "free_gpu_memory_fraction")
+
+
+def require_fits(config: KvCacheConfig, size: CacheSize, num_host_bytes: int) -> None:
+    """Refuses, before anything is allocated, a device cache or host tier larger than the
+    memory there is.
+
+    The device cache must fit the device's free memory (measured, whatever
+    ``free_memory_bytes`` claims); the host tier must fit the host's available memory, less the
+    device cache when the device is the CPU (both then live in host memory).
+
+    Raises:
+      ConfigError: naming the field, the bytes needed and the bytes available.
+    """
+    device_free = free_device_memory()
+    if size.cache_bytes > device_free:
+        field = "max_tokens" if size.limited_by == "max_tokens" else "free_memory_bytes"
+        raise ConfigError(
+            f"kv_cache_config.{field}: the device cache needs {size.cache_bytes:,} bytes ({size.num_tokens:,} tokens "
+            f"x {size.bytes_per_token:,} bytes/token) but {device_free:,} bytes are free; lower {field}"
+        )
+    host_free = int(psutil.virtual_memory().available)
+    if jax.devices()[0].platform == "cpu":
+        host_free -= size.cache_bytes
+    if num_host_bytes > host_free:
+        raise ConfigError(
+            f"kv_cache_config.host_cache_size={config.host_cache_size:,} needs {num_host_bytes:,} bytes of host memory "
+            f"but {max(host_free, 0):,} bytes are available; lower host_cache_size"
+        )

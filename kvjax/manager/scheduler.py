@@ -184,6 +184,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, request_id: str) -> bool:
+        """Drops a waiting or running request and its cache references (its committed full
+        blocks stay cached). Inside a step (between ``schedule`` and ``finish_step``) its work
+        in the plan is skipped by ``finish_step``.
+
+        Returns:
+          Whether the request was waiting or running.
+        """
+        if request_id in self.running:
+            self.manager.free_request(request_id)
+            del self.running[request_id]
+            return True
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return True
+        return False
+
     def schedule(self) -> StepPlan:
         """Plans the next step and reserves its pages."""
         if self._last_plan is not None:
@@ -217,7 +235,8 @@ class Scheduler:
         """Records the step: commits the computed tokens and appends sampled ones.
 
         Args:
-          sampled: the sampled token of every scheduled request with ``samples=True``.
+          sampled: the sampled token of every scheduled request with ``samples=True`` that
+            was not aborted during the step.
 
         Returns:
           Requests that finished (their cache references are dropped).
@@ -225,13 +244,17 @@ class Scheduler:
         plan = self._last_plan
         if plan is None:
             raise RuntimeError("finish_step() called without a schedule() before it")
-        missing = [s.request_id for s in plan.scheduled if s.samples and s.request_id not in sampled]
+        missing = [
+            s.request_id for s in plan.scheduled if s.samples and s.request_id in self.running and s.request_id not in sampled
+        ]
         if missing:
             raise ValueError(f"sampled has no token for request(s) {missing}, which sample this step")
         self._last_plan = None
         finished = []
         for work in plan.scheduled:
-            req = self.running[work.request_id]
+            req = self.running.get(work.request_id)
+            if req is None:
+                continue
             self.manager.commit_tokens(req.request_id, work.token_ids)
             req.num_computed_tokens += len(work.token_ids)
             if not work.samples:
