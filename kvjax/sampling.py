@@ -60,11 +60,50 @@ def _is_number(value: object) -> bool:
     return (_is_int(value) or isinstance(value, (float, np.floating))) and not math.isnan(value)
 
 
+NUCLEUS_BISECTION_STEPS = 32
+"""Bisection steps of the nucleus threshold: the probability interval shrinks to 2^-32."""
+
+
+def nucleus_mask(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The nucleus of each row: the most probable tokens whose mass first reaches ``top_p``.
+
+    A token is kept iff the mass of the tokens strictly more probable than it is < top_p
+    (the smallest set sorted by probability whose mass reaches top_p; tied tokens are kept
+    or dropped together). Found by bisecting the probability threshold, O(V) per step,
+    instead of sorting the vocabulary.
+
+    Args:
+      probs: [S, V] float32 probabilities.
+      top_p: [S] float32 in (0, 1].
+
+    Returns:
+      [S, V] bool.
+    """
+
+    def mass_above(threshold: jax.Array) -> jax.Array:  # [S] -> [S]
+        return jnp.sum(jnp.where(probs > threshold[:, None], probs, 0.0), axis=-1)
+
+    def bisect(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds  # invariant: mass_above(lo) >= top_p > mass_above(hi)
+        mid = 0.5 * (lo + hi)
+        below = mass_above(mid) < top_p
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    hi = jnp.max(probs, axis=-1)
+    lo = jnp.zeros_like(hi)
+    _, hi = jax.lax.fori_loop(0, NUCLEUS_BISECTION_STEPS, bisect, (lo, hi))
+    keep = probs >= hi[:, None]
+    return keep | (top_p[:, None] >= 1.0)
+
+
 @jax.jit
 def sample(
     logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seeds: jax.Array, counters: jax.Array
 ) -> jax.Array:
     """One token per row.
+
+    A step whose rows are all greedy costs one argmax; otherwise sampling is O(V) per row
+    (no sort of the vocabulary, see ``nucleus_mask``).
 
     Args:
       logits: [S, V] float32.
@@ -75,13 +114,12 @@ def sample(
       [S] int32 token ids.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-    sorted_logits = jnp.where(before < top_p[:, None], sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    picked = jax.vmap(jax.random.categorical)(keys, sorted_logits)
-    sampled = jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+
+    def draw() -> jax.Array:
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        keep = nucleus_mask(jax.nn.softmax(scaled, axis=-1), top_p)
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+        sampled = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
+        return jnp.where(temperature > 0, sampled, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
