@@ -1,22 +1,38 @@
 """Orbax snapshots of the whole cache state of an engine (SPEC E4).
 
-A snapshot holds the device page pools, the host tier's pools, the manager's host state
-(radix tree, ref counts, priorities and expiries, free queues, host map, events, stats), the
-cache configuration and layout, the model name and a format version, plus a BLAKE3 checksum
-over every array. Snapshots are steps of an ``orbax.checkpoint.CheckpointManager``: orbax
-writes a step into a temporary folder and renames it only when complete, so an interrupted
-save leaves the previous snapshot as the latest usable one.
+A snapshot step holds the arrays (device page pools, the host tier's pools) and one JSON
+metadata file: ``{"document": ..., "blake3": ...}``. The document holds the manager's host
+state (radix tree, ref counts, priorities and expiries, free queues, host map, events, stats),
+the cache configuration and layout, the model's identity (its name and the BLAKE3 digest of
+its weights, ``Model.weights_digest``), the format version and a BLAKE3 digest of the arrays
+(names, dtypes, shapes, bytes); ``blake3`` is the digest of the document's canonical JSON
+bytes (sorted keys, no whitespace), so one verified digest covers everything that is restored.
 
-Restoring checks, before anything changes, that the snapshot fits the engine (format
-version, model, cache config, layout) and that the arrays hash to the stored checksum; a
-mismatch raises ``SnapshotError`` naming what differs.
+Snapshots are steps of an ``orbax.checkpoint.CheckpointManager`` that keeps the 3 highest
+steps: orbax writes a step into a temporary folder and renames it only when complete, so an
+interrupted save leaves the previous snapshot as the latest usable one. Saving never drops
+data silently: an existing step, or one below the latest, is refused; ``overwrite=True``
+replaces an existing step by writing the new one under ``<directory>/.kvjax-staging`` and
+swapping it in with two renames. A crash between the renames is repaired by the next save or
+restore under that directory (the old step is put back), so either the old or the new
+snapshot survives.
+
+Restoring verifies before anything changes: the metadata digest, the format version, that the
+snapshot fits the engine (model weights digest, cache config, layout), the arrays' digest and
+the manager state's invariants. Any failure, including an unreadable or undecodable file,
+raises ``SnapshotError`` naming the step and the file or the difference; the engine is
+unchanged then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import pathlib
+import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import blake3
@@ -28,10 +44,17 @@ from kvjax.cache import PagePool
 from kvjax.engine import Engine
 from kvjax.manager import KVCacheManager, SnapshotError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MAX_TO_KEEP = 3
+"""Steps kept under one directory (orbax deletes the lowest ones beyond this)."""
+
+_STAGING = ".kvjax-staging"
+_REPLACED = ".kvjax-replaced-"
 
 
 def _arrays(engine: Engine) -> dict[str, np.ndarray]:
+    """Every array a snapshot holds: ``device_{k,v}_<layer>`` [num_pages, page_size, K, d]
+    and ``host_<group>`` (the host tier's pages of each layer group)."""
     arrays = {}
     for i, (k, v) in enumerate(zip(engine.pool.k, engine.pool.v)):
         arrays[f"device_k_{i:03d}"] = np.asarray(k)
@@ -41,13 +64,19 @@ def _arrays(engine: Engine) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _checksum(arrays: dict[str, np.ndarray]) -> str:
+def _arrays_digest(arrays: dict[str, np.ndarray]) -> str:
+    """BLAKE3 hex digest of the arrays' names, dtypes, shapes and bytes (bfloat16 included)."""
     h = blake3.blake3()
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        h.update(memoryview(a).cast("B"))
+        h.update(f"|{name}:{a.dtype.str}:{a.dtype.name}:{a.shape}|".encode())
+        h.update(a.reshape(-1).view(np.uint8))
     return h.hexdigest()
+
+
+def _document_digest(document: dict[str, Any]) -> str:
+    """BLAKE3 hex digest of the document's canonical JSON bytes."""
+    return blake3.blake3(json.dumps(document, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _identity(engine: Engine) -> dict[str, Any]:
@@ -57,36 +86,113 @@ def _identity(engine: Engine) -> dict[str, Any]:
         kv["max_attention_window"] = list(kv["max_attention_window"])
     layout = dataclasses.asdict(engine.layout)
     return {
-        "model": engine.model.config.name,
+        "model": {"name": engine.model.config.name, "weights_digest": engine.model.weights_digest},
         "kv_cache_config": kv,
         "layout": {k: list(v) if isinstance(v, tuple) else v for k, v in layout.items()},
         "num_host_pages": engine.manager.num_host_pages,
     }
 
 
-def _manager(directory: str | pathlib.Path) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(pathlib.Path(directory).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=3))
+def _manager(directory: pathlib.Path, create: bool = True) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=MAX_TO_KEEP, create=create)
+    return ocp.CheckpointManager(directory, options=options)
 
 
-def save_snapshot(engine: Engine, directory: str | pathlib.Path, step: int | None = None) -> int:
-    """Saves the engine's cache state as a new step under ``directory``; returns the step.
+def _check_step(step: int | None) -> None:
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r} must be None or an int >= 0")
 
-    The engine must be idle (no queued or running request): a snapshot is of reusable
-    cache contents, not of in-flight requests.
+
+def _root(directory: str | os.PathLike) -> pathlib.Path:
+    root = pathlib.Path(directory).absolute()
+    if root.exists() and not root.is_dir():
+        raise SnapshotError(f"snapshot directory {str(root)!r} is not a directory")
+    return root
+
+
+def _recover(root: pathlib.Path) -> None:
+    """Finishes or undoes an overwrite that a crash interrupted (see ``save_snapshot``)."""
+    if not root.is_dir():
+        return
+    for replaced in root.glob(_REPLACED + "*"):
+        step_dir = root / replaced.name.removeprefix(_REPLACED)
+        if step_dir.exists():  # the new step was swapped in: drop the old one
+            shutil.rmtree(replaced)
+        else:  # crashed between the two renames: put the old step back
+            os.rename(replaced, step_dir)
+    shutil.rmtree(root / _STAGING, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _reading(what: str) -> Iterator[None]:
+    """Turns any failure while reading ``what`` into a SnapshotError naming it."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except Exception as err:  # orbax, tensorstore and json raise many types for damaged files
+        raise SnapshotError(f"{what} is unreadable or damaged: {type(err).__name__}: {err}") from err
+
+
+def save_snapshot(
+    engine: Engine, directory: str | os.PathLike, step: int | None = None, *, overwrite: bool = False
+) -> int:
+    """Saves the engine's cache state as a step under ``directory``; returns the step.
+
+    Args:
+      engine: an idle engine (no queued or running request): a snapshot is of reusable
+        cache contents, not of in-flight requests.
+      directory: the snapshot folder (created if missing); holds up to ``MAX_TO_KEEP`` steps.
+      step: the step to write; None = one past the latest step (1 in an empty folder). A new
+        step must exceed the latest one, which is what ``restore_snapshot`` reads by default.
+      overwrite: replace ``step`` if it exists, atomically (a crash leaves the old or the new
+        snapshot); without it an existing step is refused.
+
+    Raises:
+      ValueError: the engine has work, or ``step`` is not None or an int >= 0.
+      SnapshotError: ``step`` exists and ``overwrite`` is False, ``step`` is below the latest
+        step, or ``directory`` is a file.
     """
     if engine.has_work:
         raise ValueError("save_snapshot needs an idle engine: finish or drop queued/running requests first")
+    _check_step(step)
+    root = _root(directory)
+    _recover(root)
     arrays = _arrays(engine)
-    meta = {
+    document = {
         "format_version": FORMAT_VERSION,
         **_identity(engine),
-        "checksum": _checksum(arrays),
+        "arrays_blake3": _arrays_digest(arrays),
         "manager_state": engine.manager.state_dict(),
     }
-    with _manager(directory) as mgr:
-        step = step if step is not None else (mgr.latest_step() or 0) + 1
-        mgr.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
+    document = json.loads(json.dumps(document))  # hash exactly what restore will read back
+    meta = {"document": document, "blake3": _document_digest(document)}
+    args = ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta))
+    with _manager(root) as mgr:
+        steps = mgr.all_steps()
+        latest = max(steps, default=None)
+        step = step if step is not None else (latest or 0) + 1
+        if step in steps and not overwrite:
+            raise SnapshotError(
+                f"snapshot step {step} already exists under {str(root)!r}; pass overwrite=True to replace it"
+            )
+        if step not in steps:
+            if latest is not None and step < latest:
+                raise SnapshotError(
+                    f"step={step} is below the latest step {latest} under {str(root)!r}: a new step must exceed it"
+                )
+            mgr.save(step, args=args, force=True)  # force: no orbax save policy may skip it silently
+            mgr.wait_until_finished()
+            return step
+    staging = root / _STAGING
+    with _manager(staging) as mgr:
+        mgr.save(step, args=args)
         mgr.wait_until_finished()
+    replaced = root / f"{_REPLACED}{step}"
+    os.rename(root / str(step), replaced)  # a crash here: _recover puts the old step back
+    os.rename(staging / str(step), root / str(step))  # a crash here: _recover drops the old step
+    shutil.rmtree(replaced)
+    shutil.rmtree(staging)
     return step
 
 
@@ -99,42 +205,70 @@ def _diff(saved: Any, current: Any, path: str = "") -> list[str]:
     return [] if saved == current else [f"{path}: snapshot has {saved!r}, engine has {current!r}"]
 
 
-def restore_snapshot(engine: Engine, directory: str | pathlib.Path, step: int | None = None) -> int:
+def _verified_document(meta: Any, where: str) -> dict[str, Any]:
+    """The metadata document once its digest and format version check out."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("document"), dict):
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        if isinstance(version, int) and version != FORMAT_VERSION:
+            raise SnapshotError(f"{where} has format_version={version}; this kvjax reads {FORMAT_VERSION}")
+        raise SnapshotError(f"{where} is damaged: its metadata holds no document")
+    document = meta["document"]
+    if meta.get("blake3") != _document_digest(document):
+        raise SnapshotError(f"{where} is damaged: its metadata does not match the stored BLAKE3 digest")
+    if document.get("format_version") != FORMAT_VERSION:
+        version = document.get("format_version")
+        raise SnapshotError(f"{where} has format_version={version!r}; this kvjax reads {FORMAT_VERSION}")
+    return document
+
+
+def restore_snapshot(engine: Engine, directory: str | os.PathLike, step: int | None = None) -> int:
     """Loads a snapshot (the latest complete step by default) into an idle engine; returns the step.
 
     Raises:
-      SnapshotError: no snapshot, a different format version / model / config / layout,
-        or arrays that do not match their checksum. The engine is unchanged then.
+      ValueError: the engine has work, or ``step`` is not None or an int >= 0.
+      SnapshotError: no such snapshot; an unreadable or damaged file; metadata or arrays that
+        do not match their BLAKE3 digests; a different format version, model (weights digest),
+        cache config or layout. The engine is unchanged then.
     """
     if engine.has_work:
         raise ValueError("restore_snapshot needs an idle engine: finish or drop queued/running requests first")
-    with _manager(directory) as mgr:
-        step = step if step is not None else mgr.latest_step()
+    _check_step(step)
+    root = _root(directory)
+    if not root.is_dir():
+        raise SnapshotError(f"no complete snapshot under {str(directory)!r}")
+    _recover(root)
+    with _reading(f"snapshot directory {str(root)!r}"):
+        mgr = _manager(root, create=False)
+    with mgr:
+        with _reading(f"snapshot directory {str(root)!r}"):
+            steps = mgr.all_steps()
         if step is None:
-            raise SnapshotError(f"no complete snapshot under {str(directory)!r}")
-        try:
+            if not steps:
+                raise SnapshotError(f"no complete snapshot under {str(directory)!r}")
+            step = max(steps)
+        elif step not in steps:
+            raise SnapshotError(f"no snapshot step {step} under {str(root)!r}; steps there: {sorted(steps)}")
+        where = f"snapshot step {step} under {str(root)!r}"
+        with _reading(f"{where} (file {step}/meta/metadata)"):
             meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as err:
-            raise SnapshotError(f"snapshot step {step} under {str(directory)!r} is unreadable: {err}") from err
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise SnapshotError(f"snapshot format_version={meta.get('format_version')!r}; this kvjax reads {FORMAT_VERSION}")
-        differences = _diff({k: meta.get(k) for k in _identity(engine)}, _identity(engine))
+        document = _verified_document(meta, where)
+        differences = _diff({k: document.get(k) for k in _identity(engine)}, _identity(engine))
         if differences:
-            raise SnapshotError("snapshot does not fit this engine: " + "; ".join(differences))
-        template = _arrays(engine)
-        try:
-            arrays = mgr.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(template)))["arrays"]
-        except Exception as err:  # orbax/tensorstore raise many types for damaged files
-            raise SnapshotError(f"snapshot step {step} arrays are damaged or missing: {err}") from err
-    arrays = {k: np.asarray(v) for k, v in arrays.items()}
-    if _checksum(arrays) != meta["checksum"]:
-        raise SnapshotError(f"snapshot step {step} is damaged: its arrays do not match the stored BLAKE3 checksum")
-    manager = KVCacheManager.from_state_dict(
-        meta["manager_state"], engine.kv_config,
-        layer_windows=engine.manager.layer_windows, num_device_pages=engine.manager.num_device_pages,
-        num_host_pages=engine.manager.num_host_pages, max_seq_len=engine.manager.max_seq_len,
-        bytes_per_page=engine.manager.bytes_per_page,
-    )
+            raise SnapshotError(f"{where} does not fit this engine: " + "; ".join(differences))
+        with _reading(f"{where} (files under {step}/arrays)"):
+            restored = mgr.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(_arrays(engine))))
+            arrays = {k: np.asarray(v) for k, v in restored["arrays"].items()}
+    if _arrays_digest(arrays) != document["arrays_blake3"]:
+        raise SnapshotError(f"{where} is damaged: its arrays do not match the stored BLAKE3 digest")
+    try:
+        manager = KVCacheManager.from_state_dict(
+            document["manager_state"], engine.kv_config,
+            layer_windows=engine.manager.layer_windows, num_device_pages=engine.manager.num_device_pages,
+            num_host_pages=engine.manager.num_host_pages, max_seq_len=engine.manager.max_seq_len,
+            bytes_per_page=engine.manager.bytes_per_page,
+        )
+    except SnapshotError as err:
+        raise SnapshotError(f"{where}: {err}") from err
     num_layers = engine.layout.num_layers
     engine.pool = PagePool(
         k=tuple(jnp.asarray(arrays[f"device_k_{i:03d}"]) for i in range(num_layers)),
