@@ -1,7 +1,7 @@
 """CacheBlend: reuse of non-prefix chunk KV with selective recompute (SPEC C1-C7)."""
 
 from kvjax.blend.blender import Blender, BlendPrompt
-from kvjax.blend.chunk_store import ChunkStore, StoredChunk
+from kvjax.blend.chunk_store import ChunkIntegrityError, ChunkStore, StoredChunk
 from kvjax.blend.engine_blend import BlendReport, blend_salt, submit_blended
 from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
 from kvjax.blend.managed_store import ManagedChunkStore
@@ -14,6 +14,7 @@ __all__ = [
     "BlendPrompt",
     "BlendReport",
     "Blender",
+    "ChunkIntegrityError",
     "ChunkStore",
     "ManagedChunkStore",
     "Roles",

@@ -30,21 +30,47 @@ from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill, fill_pages,
 from kvjax.blend.selection import Roles, Selection, bucket
 from kvjax.cache.layout import CacheLayout
 from kvjax.cache.pool import init_pool
+from kvjax.manager.hashing import check_token_ids
 from kvjax.model import transformer
 from kvjax.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class BlendPrompt:
-    """A prompt made of an exact prefix, retrieved chunks and a suffix (token ids)."""
+    """A prompt made of an exact prefix, retrieved chunks and a suffix (token ids).
+
+    The parts are validated and stored as tuples of Python ints: ids must be ints >= 0 (the
+    model's vocabulary bound is checked by the call that runs the prompt, ``check_vocab``),
+    every chunk holds at least one token and the suffix at least one.
+    """
 
     prefix: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...]
     suffix: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        if isinstance(self.chunks, (str, bytes)) or not hasattr(self.chunks, "__iter__"):
+            raise ValueError(f"chunks must be a sequence of token id sequences, got {type(self.chunks).__name__}")
+        chunks = tuple(check_token_ids(c, f"chunks[{i}]") for i, c in enumerate(self.chunks))
+        for i, chunk in enumerate(chunks):
+            if not chunk:
+                raise ValueError(f"chunks[{i}] is empty: every chunk must hold at least one token")
+        object.__setattr__(self, "prefix", check_token_ids(self.prefix, "prefix"))
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "suffix", check_token_ids(self.suffix, "suffix"))
         if not self.suffix:
             raise ValueError("suffix must hold at least one token (the last token yields the logits)")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError naming the part (``prompt.chunks[i]``, ...) that holds an id outside [0, vocab_size)."""
+        check_token_ids(self.prefix, "prompt.prefix", vocab_size)
+        for i, chunk in enumerate(self.chunks):
+            check_token_ids(chunk, f"prompt.chunks[{i}]", vocab_size)
+        check_token_ids(self.suffix, "prompt.suffix", vocab_size)
+
+    def describe(self) -> str:
+        """The part lengths, for error messages: "prefix 5 + chunks [60, 60] + suffix 14"."""
+        return f"prefix {len(self.prefix)} + chunks {[len(c) for c in self.chunks]} + suffix {len(self.suffix)}"
 
     @property
     def tokens(self) -> np.ndarray:
@@ -78,10 +104,14 @@ class Blender:
       params, cfg: the model.
       store: the chunk store (its tier and start variant).
       prefix: the shared exact prefix (system prompt), prefix-cached once here.
-      max_tokens: longest prompt plus continuation.
+      max_tokens: longest prompt plus continuation, in [1, cfg.max_seq_len]; every call
+        checks its tokens against it (``check_prompt``) before touching the pool.
       page_size: tokens per page.
       token_bucket: prompt lengths are padded to a multiple of this.
       attn_impl: attention implementation for prefill and decode.
+
+    Raises:
+      ValueError: naming the argument that is out of range.
     """
 
     def __init__(
@@ -96,9 +126,16 @@ class Blender:
         token_bucket: int = 256,
         attn_impl: attention.Impl = "auto",
     ) -> None:
+        for name, value, high in (("max_tokens", max_tokens, cfg.max_seq_len), ("page_size", page_size, None),
+                                  ("token_bucket", token_bucket, None)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high is not None and value > high):
+                allowed = f"[1, cfg.max_seq_len={high}]" if high is not None else ">= 1"
+                raise ValueError(f"{name}={value!r} must be an int in {allowed}")
+        self.prefix = check_token_ids(prefix, "prefix", cfg.vocab_size)
+        if len(self.prefix) > max_tokens:
+            raise ValueError(f"len(prefix)={len(self.prefix)} must be <= max_tokens={max_tokens}")
         self.params, self.cfg, self.store = params, cfg, store
-        self.prefix = tuple(int(t) for t in prefix)
-        self.token_bucket, self.attn_impl = token_bucket, attn_impl
+        self.max_tokens, self.token_bucket, self.attn_impl = max_tokens, token_bucket, attn_impl
         self.pages_per_seq = -(-bucket(max_tokens, token_bucket) // page_size)
         self.layout = CacheLayout(
             layer_windows=cfg.layer_windows,
@@ -111,6 +148,30 @@ class Blender:
         self.prefix_kv = self._exact_prefix_kv() if self.prefix else None
 
     # ------------------------------------------------------------------ helpers
+    def check_prompt(self, prompt: BlendPrompt) -> None:
+        """Raises ValueError unless ``prompt`` fits this Blender: its own prefix, token ids in
+        [0, vocab_size) and at most ``max_tokens`` tokens (more would write past the block table)."""
+        if not isinstance(prompt, BlendPrompt):
+            raise ValueError(f"prompt must be a BlendPrompt, got {type(prompt).__name__}")
+        if prompt.prefix != self.prefix:
+            raise ValueError("the prompt's prefix differs from the Blender's cached prefix")
+        prompt.check_vocab(self.cfg.vocab_size)
+        if prompt.roles.num_tokens > self.max_tokens:
+            raise ValueError(
+                f"the prompt holds {prompt.roles.num_tokens} tokens ({prompt.describe()}); this Blender was "
+                f"built for max_tokens={self.max_tokens}"
+            )
+
+    def _check_span(self, start: int, num_tokens: int, what: str) -> None:
+        """Raises ValueError unless positions [start, start + num_tokens) lie in [0, max_tokens)."""
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(f"{what} starts at position {start!r}; it must be an int >= 0")
+        if start + num_tokens > self.max_tokens:
+            raise ValueError(
+                f"{what} spans positions [{start}, {start + num_tokens}), past max_tokens={self.max_tokens} "
+                "of this Blender"
+            )
+
     def _tables(self) -> tuple[jax.Array, ...]:
         return (self._table_dev,) * self.layout.num_groups
 
@@ -141,8 +202,7 @@ class Blender:
 
     def reused_kv(self, prompt: BlendPrompt, padded: int) -> tuple[jax.Array, jax.Array]:
         """Loads the prompt's reused KV: [L, padded, K, d] K (stored rotation) and V."""
-        if prompt.prefix != self.prefix:
-            raise ValueError("the prompt's prefix differs from the Blender's cached prefix")
+        self.check_prompt(prompt)
         chunks = [self.store.get(c) for c in prompt.chunks]
         k, v = self.store.assemble(chunks, prompt.chunk_starts, padded)
         if self.prefix_kv is not None:
@@ -159,6 +219,7 @@ class Blender:
     # ------------------------------------------------------------------ policies
     def full_recompute(self, prompt: BlendPrompt) -> jax.Array:
         """The reference: the whole prompt through ``transformer.forward``; logits [V]."""
+        self.check_prompt(prompt)
         tokens = prompt.tokens
         tok, pos = self.padded_span(tokens, 0, self.padded(len(tokens)))
         return self._forward(tok, pos, len(tokens), "last")[0]
@@ -172,6 +233,7 @@ class Blender:
 
     def prefix_caching(self, prompt: BlendPrompt) -> jax.Array:
         """Reuses only the exact prefix KV, computes the rest with ``transformer.forward``; logits [V]."""
+        self.check_prompt(prompt)
         tokens = prompt.tokens
         exact = self.exact_prefix_len(prompt)
         padded_exact = self.padded(exact)
@@ -202,6 +264,7 @@ class Blender:
           reused: KV [L, padded, K, d] at the actual positions to use instead of the store's
             (e.g. the full-recompute KV, for a reference trace of the suffix).
         """
+        self.check_prompt(prompt)
         roles = prompt.roles
         padded = self.padded(roles.num_tokens)
         tok, pos = self.padded_span(prompt.tokens, 0, padded)
@@ -231,7 +294,11 @@ class Blender:
 
     def teacher_force(self, prompt_len: int, continuation: np.ndarray) -> jax.Array:
         """Logits [N - 1, V] after feeding continuation[:-1] at positions prompt_len, ... (KV from the pool)."""
+        continuation = check_token_ids(continuation, "continuation", self.cfg.vocab_size)
         n = len(continuation) - 1
+        if n < 1:
+            raise ValueError(f"len(continuation)={len(continuation)} must be >= 2 (it feeds all but the last token)")
+        self._check_span(prompt_len, n, "the continuation")
         tok, pos = self.padded_span(np.asarray(continuation[:-1], np.int32), prompt_len, n)
         return self._forward(tok, pos, prompt_len + n, "all")[0]
 
@@ -242,7 +309,11 @@ class Blender:
           (tokens generated after ``first``, their logits [steps, V] as numpy). Stops early
           after a token in ``stop_ids``.
         """
-        out, logits_all, token = [], [], int(first)
+        (token,) = check_token_ids((first,), "first", self.cfg.vocab_size)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps={steps!r} must be an int >= 1")
+        self._check_span(start, steps, "decoding")
+        out, logits_all = [], []
         for i in range(steps):
             logits = self._forward(np.asarray([token], np.int32), np.asarray([start + i], np.int32), start + i + 1, "last")
             logits = np.asarray(logits[0])

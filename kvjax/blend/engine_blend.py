@@ -31,7 +31,11 @@ ordinary scope it would serve an exact request with the same tokens a prefix mat
 approximate KV. Under ``blend_salt`` (variant and selection in the salt) it can only serve
 a later blended request of the same variant and selection, which would compute the same
 fused KV for those tokens (causal: a token's fused KV depends only on the tokens before it
-and the selection, and the suffix is forced in every variant).
+and the selection, and the suffix is forced in every variant). Blend scopes are
+``InternalScope`` salts, so no exact request's ``cache_salt`` can reach them either.
+
+Every argument is checked before any chunk is stored or any page is taken; a failure after
+that frees the request's pages, so one bad submission leaves the engine as it was.
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
 from kvjax.blend.managed_store import ManagedChunkStore, gather_slots
 from kvjax.blend.selection import Roles, Selection, SelectionConfig, bucket, select_cacheblend
 from kvjax.cache import NULL_PAGE
-from kvjax.config import KvCacheRetentionConfig
+from kvjax.config import KvCacheRetentionConfig, as_retention_config
 from kvjax.engine import bucket as pow2_bucket
 from kvjax.manager import OutOfPagesError
+from kvjax.manager.hashing import InternalScope
 from kvjax.sampling import SamplingParams
 
 Selector = Callable[[Roles, int], Selection]
@@ -87,9 +92,9 @@ class BlendReport:
     prefill_s: float
 
 
-def blend_salt(store: ManagedChunkStore, selection: SelectionConfig | str) -> str:
-    """Cache salt of blended requests: the chunk variant and the selection rule (e.g. the ratio)."""
-    return f"blend:{store.variant}:{hashlib.blake2s(repr(selection).encode(), digest_size=8).hexdigest()}"
+def blend_salt(store: ManagedChunkStore, selection: SelectionConfig | str) -> InternalScope:
+    """Cache scope of blended requests: the chunk variant and the selection rule (e.g. the ratio)."""
+    return InternalScope(f"blend:{store.variant}:{hashlib.blake2s(repr(selection).encode(), digest_size=8).hexdigest()}")
 
 
 def with_forced(sel: Selection, forced: np.ndarray, num_cached: int, padded: int, row_bucket: int) -> Selection:
@@ -137,15 +142,23 @@ def submit_blended(
       retention: retention of the request's blocks.
       token_bucket: prompt lengths pad to a multiple of this (shared compiled prefills).
       row_bucket: recomputed-row capacities round to this; default the config's (or 64).
-      salt: the blend scope; default ``blend_salt(store, selection)`` (a callable selector
-        must name its scope).
+      salt: the blend scope's name, made an ``InternalScope`` (a user ``cache_salt`` of the
+        same text is another scope); default ``blend_salt(store, selection)`` (a callable
+        selector must name its scope).
 
     Returns:
       The report; ``engine.output(report.request_id)`` gives the tokens once decoded.
+
+    Raises:
+      ValueError: before any state changes, naming the bad argument: a token id outside
+        [0, vocab_size), a prompt that with ``sampling.max_new_tokens`` exceeds the engine's
+        ``max_seq_len``, a bad ``sampling``, ``retention`` or ``salt``.
     """
     engine, manager = store.engine, store.engine.manager
     cfg = engine.model.config
     t0 = time.perf_counter()
+    _check_submission(store, prompt, sampling, salt)
+    retention = as_retention_config(retention)
     if isinstance(selection, SelectionConfig):
         config = selection
         selection = lambda roles, padded: select_cacheblend(roles, config, padded, cfg.num_layers)  # noqa: E731
@@ -153,6 +166,7 @@ def submit_blended(
         salt = salt or blend_salt(store, config)
     elif salt is None:
         raise ValueError("a callable selection needs salt= (the blend scope of its fused KV)")
+    salt = InternalScope(salt)
     row_bucket = row_bucket or 64
     for chunk in prompt.chunks:
         store.put(chunk)
@@ -165,13 +179,38 @@ def submit_blended(
     try:
         report, logits = _prefill(store, prompt, selection, rid, num_cached, padded, row_bucket)
         manager.commit_tokens(rid, tuple(int(t) for t in tokens[num_cached:]))
+        engine.adopt_prefilled(
+            rid, tokens, logits, sampling, retention=retention, cache_salt=salt, num_reused_tokens=num_cached,
+            submit_time=t0,
+        )
     except Exception:
-        manager.free_request(rid)
+        if rid not in engine.requests:  # the engine did not take it over: its pages go back
+            manager.free_request(rid)
         raise
-    engine.adopt_prefilled(
-        rid, tokens, logits, sampling, retention=retention, cache_salt=salt, num_reused_tokens=num_cached, submit_time=t0
-    )
     return dataclasses.replace(report, prefill_s=engine.requests[rid].first_token_time - t0)
+
+
+def _check_submission(
+    store: ManagedChunkStore, prompt: BlendPrompt, sampling: SamplingParams, salt: str | None
+) -> None:
+    """``submit_blended``'s argument checks, run before anything is stored or allocated."""
+    engine = store.engine
+    vocab = engine.model.config.vocab_size
+    if not isinstance(prompt, BlendPrompt):
+        raise ValueError(f"prompt must be a BlendPrompt, got {type(prompt).__name__}")
+    prompt.check_vocab(vocab)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if sampling.stop_token_id is not None and sampling.stop_token_id >= vocab:
+        raise ValueError(f"sampling.stop_token_id={sampling.stop_token_id} must be in [0, {vocab})")
+    num_tokens = prompt.roles.num_tokens
+    if num_tokens + sampling.max_new_tokens > engine.max_seq_len:
+        raise ValueError(
+            f"len(prompt)={num_tokens} ({prompt.describe()}) + sampling.max_new_tokens={sampling.max_new_tokens} "
+            f"exceeds engine.max_seq_len={engine.max_seq_len}"
+        )
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"salt={salt!r} must be None or a non-empty str")
 
 
 def _prefill(

@@ -1,7 +1,8 @@
 """Chunk KV stored as blocks in the engine's cache manager (SPEC C1, DESIGN "one tree").
 
 Storing a chunk prefills it through the engine as an ordinary request under a per-variant
-*chunk scope*: the cache salt ``"chunk:<variant>"`` gives its blocks their own root, so the
+*chunk scope*: the cache salt ``InternalScope("chunk:<variant>")`` gives its blocks their own
+root, which no user ``cache_salt`` string can produce (``kvjax.manager.hashing``), so the
 same radix tree, priority-LRU eviction, retention priorities, host offload, events and
 snapshots serve chunks and prefixes alike, while no chunk block can ever match a request
 prefix (different root) and the three variants never match each other:
@@ -40,6 +41,7 @@ import numpy as np
 from kvjax.cache import NULL_PAGE, PagePool
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.engine import Engine
+from kvjax.manager.hashing import InternalScope, check_token_ids
 from kvjax.sampling import SamplingParams
 
 Variant = Literal["pos0", "bos", "system"]
@@ -135,10 +137,10 @@ class ManagedChunkStore:
         self.engine = engine
         self.variant = variant
         self.retention = retention
-        self.prefix_tokens = tuple(int(t) for t in prefix_tokens)
+        self.prefix_tokens = check_token_ids(prefix_tokens, "prefix_tokens", engine.model.config.vocab_size)
         bos = engine.model.config.bos_id
         self.variant_prefix: tuple[int, ...] = {"pos0": (), "bos": (bos,), "system": self.prefix_tokens}[variant]
-        self.salt = f"chunk:{variant}"
+        self.salt = InternalScope(f"chunk:{variant}")
         self.stats = StoreStats()
         self._ids = itertools.count()
 
@@ -179,9 +181,19 @@ class ManagedChunkStore:
 
         Returns:
           The chunk tokens with stored KV (``num_storable``).
+
+        Raises:
+          ValueError: before any work, for an empty chunk, a token id outside [0, vocab_size)
+            or a chunk that does not fit the engine's ``max_seq_len`` behind the variant prefix.
+          RuntimeError: the engine failed the prefill (the other requests went on).
         """
-        if not tokens:
-            raise ValueError("a chunk must hold at least one token")
+        tokens = check_token_ids(tokens, "tokens", self.engine.model.config.vocab_size)
+        limit = self.engine.max_seq_len - self.stored_start - 1  # the store request samples one token
+        if not 1 <= len(tokens) <= limit:
+            raise ValueError(
+                f"a chunk of {len(tokens)} tokens must hold between 1 and engine.max_seq_len={self.engine.max_seq_len} "
+                f"- {self.stored_start} (the {self.variant!r} prefix) - 1 = {limit} tokens"
+            )
         self.stats.puts += 1
         storable = self.num_storable(len(tokens))
         if storable and self.num_cached(tokens) >= storable:
@@ -190,9 +202,11 @@ class ManagedChunkStore:
             self.stored_tokens(tokens), SamplingParams(max_new_tokens=1, ignore_eos=True),
             retention=self.retention, cache_salt=self.salt, request_id=f"{self.salt}/store-{next(self._ids)}",
         )
-        while not self.engine.requests[rid].finished:
+        record = self.engine.requests[rid]  # stays in the engine's bounded history of finished requests
+        while not record.finished:
             self.engine.step()
-        del self.engine.requests[rid]
+        if record.error is not None:
+            raise RuntimeError(f"storing a chunk of {len(tokens)} tokens failed in request {rid!r}: {record.error}")
         self.stats.computed += 1
         return storable
 

@@ -81,20 +81,22 @@ def _compute(blender: Blender, inputs: BlendInputs, selection: Selection, get_la
     checks = {layer: (i, cap) for i, (layer, cap) in enumerate(selection.checks)}
     rows = initial_rows_jit(blender.params, cfg=cfg, inputs=inputs)
     pool_k, pool_v = list(blender.pool.k), list(blender.pool.v)
-    for layer, lp in enumerate(blender.params.layers):
-        t = time.perf_counter()
-        k_l, v_l = get_layer(layer)
-        timings["stall"] += time.perf_counter() - t
-        i, capacity = checks.get(layer, (0, 0))
-        t = time.perf_counter()
-        rows, pool_k[layer], pool_v[layer], _ = layer_step(
-            lp, pool_k[layer], pool_v[layer], rows, k_l, v_l, inputs, inputs.counts[i] if capacity else jnp.int32(0),
-            cfg=cfg, layout=layout, layer=representative_layer(cfg, layout, layer), capacity=capacity,
-            deviation=selection.deviation, num_probes=0, attn_impl=blender.attn_impl,
-        )
-        rows.x.block_until_ready()
-        timings["compute"] += time.perf_counter() - t
-    blender.pool = PagePool(k=tuple(pool_k), v=tuple(pool_v))
+    try:
+        for layer, lp in enumerate(blender.params.layers):
+            t = time.perf_counter()
+            k_l, v_l = get_layer(layer)
+            timings["stall"] += time.perf_counter() - t
+            i, capacity = checks.get(layer, (0, 0))
+            t = time.perf_counter()
+            rows, pool_k[layer], pool_v[layer], _ = layer_step(
+                lp, pool_k[layer], pool_v[layer], rows, k_l, v_l, inputs, inputs.counts[i] if capacity else jnp.int32(0),
+                cfg=cfg, layout=layout, layer=representative_layer(cfg, layout, layer), capacity=capacity,
+                deviation=selection.deviation, num_probes=0, attn_impl=blender.attn_impl,
+            )
+            rows.x.block_until_ready()
+            timings["compute"] += time.perf_counter() - t
+    finally:  # also after a failed load: done layers hold their new buffers (the old ones were donated)
+        blender.pool = PagePool(k=tuple(pool_k), v=tuple(pool_v))
     return last_logits_jit(blender.params, cfg=cfg, rows=rows, positions=inputs.positions)
 
 
@@ -102,10 +104,12 @@ def pipelined_blend(blender: Blender, prompt: BlendPrompt, selection: Selection,
     """Blended prefill with per-layer loading overlapped with per-layer recompute.
 
     The store's tier must be "host" or "disk". Returns (logits [V], timings); the pool ends
-    holding the fused KV, exactly as after ``Blender.blend`` with the same selection.
+    holding the fused KV, exactly as after ``Blender.blend`` with the same selection. An error
+    while loading a layer (e.g. ``ChunkIntegrityError``) is raised here, in the caller's thread.
     """
     if blender.store.tier not in ("host", "disk"):
         raise ValueError(f"store tier={blender.store.tier!r}; the pipeline loads from 'host' or 'disk'")
+    blender.check_prompt(prompt)
     padded = blender.padded(prompt.roles.num_tokens)
     inputs = _inputs(blender, prompt, selection, padded)
     num_layers = blender.cfg.num_layers
@@ -124,17 +128,26 @@ def pipelined_blend(blender: Blender, prompt: BlendPrompt, selection: Selection,
     load_times: list[float] = []
 
     def loader() -> None:
-        for layer in range(num_layers):
-            t = time.perf_counter()
-            kv = jax.block_until_ready(_layer_kv(blender, prompt, layer, padded))
-            load_times.append(time.perf_counter() - t)
-            ready.put(kv)
+        try:
+            for layer in range(num_layers):
+                t = time.perf_counter()
+                kv = jax.block_until_ready(_layer_kv(blender, prompt, layer, padded))
+                load_times.append(time.perf_counter() - t)
+                ready.put(kv)
+        except Exception as err:  # handed to the compute thread, which raises it
+            ready.put(err)
+
+    def next_layer(layer: int) -> tuple[jax.Array, jax.Array]:
+        item = ready.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     timings = {"stall": 0.0, "compute": 0.0}
     t0 = time.perf_counter()
     thread = threading.Thread(target=loader, daemon=True)
     thread.start()
-    logits = _compute(blender, inputs, selection, lambda layer: ready.get(), timings)
+    logits = _compute(blender, inputs, selection, next_layer, timings)
     logits.block_until_ready()
     wall = time.perf_counter() - t0
     thread.join()

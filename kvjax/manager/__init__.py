@@ -2,7 +2,7 @@
 windows, events and the prefix-aware scheduler (SPEC B1-B11)."""
 
 from kvjax.manager.events import KVCacheEvent
-from kvjax.manager.hashing import MultimodalItem, block_key, mm_hash, root_key
+from kvjax.manager.hashing import InternalScope, MultimodalItem, block_key, mm_hash, root_key
 from kvjax.manager.manager import KVCacheManager, OutOfPagesError
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest, StepPlan
 from kvjax.manager.state import ConsistencyError, SnapshotError
@@ -13,6 +13,7 @@ __all__ = [
     "NULL_PAGE",
     "CacheStats",
     "ConsistencyError",
+    "InternalScope",
     "KVCacheEvent",
     "KVCacheManager",
     "MultimodalItem",

@@ -9,8 +9,11 @@ A prompt's token ids are packed once (``array("i", ids).tobytes()``) and each bl
 slice of that buffer in a single BLAKE3 call (:func:`chain_keys`).
 
 ``cache_salt`` and the LoRA id enter through the root, so requests of different tenants or
-adapters never share a single block. Extra keys are the multimodal items that overlap the
-block: each contributes its content hash and its token span. Keys are full 32-byte digests.
+adapters never share a single block. kvjax's own scopes (chunk stores, blend scopes) are
+``InternalScope`` salts, whose root is hashed under another domain tag ("kvjax-scope"
+instead of "kvjax-root"), so no user ``cache_salt`` string can produce an internal root.
+Extra keys are the multimodal items that overlap the block: each contributes its content
+hash and its token span. Keys are full 32-byte digests.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ MAX_TOKEN_ID = 2**31 - 1
 """Token ids are hashed as int32, so they must lie in [0, MAX_TOKEN_ID]."""
 
 _ROOT_DOMAIN = b"kvjax-root\x00"
+_SCOPE_DOMAIN = b"kvjax-scope\x00"
 _BIG_ENDIAN = sys.byteorder == "big"
 assert array("i").itemsize == 4, "token ids are hashed as int32"
 
@@ -123,9 +127,37 @@ def hash_items(items: Sequence[MultimodalItem], prompt_len: int) -> tuple[Hashed
     return tuple(hashed)
 
 
+class InternalScope(str):
+    """A cache scope of kvjax itself (a chunk store, a blend scope), passed wherever a
+    ``cache_salt`` goes.
+
+    Its root is hashed under its own domain tag, so a user's ``cache_salt`` string, whatever
+    its characters, never yields the root of an internal scope. An ``InternalScope`` equals
+    (and hashes like) only an ``InternalScope`` of the same text, so dicts keyed by salt keep
+    ``InternalScope("chunk:pos0")`` and the user salt ``"chunk:pos0"`` apart.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, InternalScope) and str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((InternalScope, str(self)))
+
+    def __repr__(self) -> str:
+        return f"InternalScope({str.__repr__(self)})"
+
+
 def root_key(cache_salt: str | None, lora_id: int | None) -> BlockKey:
-    """Parent key of a request's first block: mixes in the tenant salt and the adapter id."""
-    hasher = blake3.blake3(_ROOT_DOMAIN)
+    """Parent key of a request's first block: mixes in the tenant salt and the adapter id.
+
+    ``InternalScope`` salts hash under a separate domain tag from user salts.
+    """
+    hasher = blake3.blake3(_SCOPE_DOMAIN if isinstance(cache_salt, InternalScope) else _ROOT_DOMAIN)
     salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
     hasher.update(struct.pack("<?I", cache_salt is not None, len(salt)))
     hasher.update(salt)
@@ -195,21 +227,25 @@ def chain_keys(
     return keys
 
 
-def check_token_ids(token_ids: Sequence[int], field: str) -> tuple[int, ...]:
+def check_token_ids(token_ids: Sequence[int], field: str, vocab_size: int | None = None) -> tuple[int, ...]:
     """Returns the ids (a sequence or a numpy array) as a tuple of Python ints, or raises
     ValueError naming ``field`` and the allowed range.
 
     Integer-like ids (numpy scalars) are converted; bools and anything else are rejected.
+    Ids must lie in [0, vocab_size) when ``vocab_size`` is given, else in [0, MAX_TOKEN_ID].
     """
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise ValueError(f"{field} must be a sequence of int token ids, got {type(token_ids).__name__}")
+    high = MAX_TOKEN_ID if vocab_size is None else min(vocab_size - 1, MAX_TOKEN_ID)
     ids = token_ids if type(token_ids) is tuple else tuple(
         token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
     )
-    if not ids or (set(map(type, ids)) == _INT_TYPE and min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID):
+    if not ids or (set(map(type, ids)) == _INT_TYPE and min(ids) >= 0 and max(ids) <= high):
         return ids  # fast path: three C loops, no per-token Python
     out = []
     for i, t in enumerate(ids):
-        if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= operator.index(t) <= MAX_TOKEN_ID:
-            raise ValueError(f"{field}[{i}]={t!r} must be an int token id in [0, {MAX_TOKEN_ID}]")
+        if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= operator.index(t) <= high:
+            raise ValueError(f"{field}[{i}]={t!r} must be an int token id in [0, {high}]")
         out.append(operator.index(t))
     return tuple(out)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.manager.events import KVCacheEvent
-from kvjax.manager.hashing import HashedItem
+from kvjax.manager.hashing import HashedItem, InternalScope
 from kvjax.manager.radix_tree import Block
 from kvjax.manager.stats import RequestStats
 from kvjax.manager.tiers import PageOp, Tier
@@ -115,6 +115,7 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
                 "num_allocated": seq.num_allocated,
                 "retention": retention,
                 "cache_salt": seq.cache_salt,
+                "internal_scope": isinstance(seq.cache_salt, InternalScope),
                 "lora_id": seq.lora_id,
                 "items": _items(seq.items),
                 "keys": [k.hex() for k in seq.keys],
@@ -246,6 +247,8 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
         prompt = tuple(int(t) for t in row["prompt"])
         items = _load_items(row["items"])
         cache_salt, lora_id = row["cache_salt"], row["lora_id"]
+        if row.get("internal_scope"):
+            cache_salt = InternalScope(cache_salt)
         retention = dict(row["retention"])
         retention["token_range_retention_configs"] = tuple(
             TokenRangeRetentionConfig(**r) for r in retention["token_range_retention_configs"]

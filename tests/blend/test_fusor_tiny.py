@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax.blend import selection
-from tests.blend.conftest import make_blender, random_prompt
+from kvjax.testing.blend import make_blender, random_prompt
 
 RTOL = 1e-5
 

@@ -72,3 +72,13 @@ def test_reposition_equals_layer0_keys_at_new_positions(setup):
     k_full, _ = blender.kv(n)
     s, e = prompt.roles.chunk_spans[1][0], prompt.roles.suffix_start
     np.testing.assert_allclose(np.asarray(moved[s:e]), np.asarray(k_full[0, s:e]), rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_past_max_tokens_is_refused(setup):
+    model, prompt, blender, _ = setup
+    n = prompt.roles.num_tokens
+    small = Blender(model.params, model.config, blender.store, prompt.prefix, max_tokens=len(prompt.prefix) + 64)
+    with pytest.raises(ValueError, match=rf"holds {n} tokens .* max_tokens={len(prompt.prefix) + 64}"):
+        small.blend(prompt, selection.select_none(prompt.roles, 64))
+    with pytest.raises(ValueError, match=rf"max_tokens={len(prompt.prefix) + 64}"):
+        small.full_recompute(prompt)

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvjax.blend.reposition import reposition_keys
 from kvjax.model import transformer
-from tests.blend.conftest import make_blender, random_prompt
+from kvjax.testing.blend import make_blender, random_prompt
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
