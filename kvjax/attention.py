@@ -1,7 +1,11 @@
 """One entry point per attention op; picks the Pallas kernel or the XLA reference by backend.
 
 ``impl``:
-  "auto"       the TPU kernel on TPU, the GPU kernel on GPU, the XLA reference elsewhere.
+  "auto"       the TPU kernel on TPU, the GPU kernel on GPU, the blocked XLA
+               implementation elsewhere (CPU).
+  "blocked"    the blocked, flash-style XLA implementation
+               (``pallas_kernels/partial_attention/blocked.py``): online softmax over key
+               blocks, work proportional to the sequence's length.
   "reference"  the plain-jnp reference (``pallas_kernels/*/reference.py``).
   "interpret"  a Pallas kernel in interpret mode (runs on CPU; slow, for tests):
                ``interpret_kernel="gpu"`` (default, the faster to interpret) runs the Triton
@@ -23,27 +27,28 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.paged_attention import gpu as paged_gpu
+from pallas_kernels.partial_attention import blocked
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention import gpu as partial_gpu
 from pallas_kernels.partial_attention import tpu as partial_tpu
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 
-Impl = Literal["auto", "reference", "interpret"]
-IMPLS = ("auto", "reference", "interpret")
+Impl = Literal["auto", "blocked", "reference", "interpret"]
+IMPLS = ("auto", "blocked", "reference", "interpret")
 Kernel = Literal["tpu", "gpu"]
 KERNELS = ("tpu", "gpu")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def _choose(impl: str, interpret_kernel: str) -> tuple[str, bool | pltpu.InterpretParams]:
-    """Resolves ``impl`` to ("reference" | "tpu" | "gpu", the kernels' ``interpret`` value)."""
+    """Resolves ``impl`` to ("blocked" | "reference" | "tpu" | "gpu", the kernels' ``interpret`` value)."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r} must be one of {IMPLS}")
     if interpret_kernel not in KERNELS:
         raise ValueError(f"{interpret_kernel=} must be one of {KERNELS}")
-    if impl == "reference":
-        return "reference", False
+    if impl in ("reference", "blocked"):
+        return impl, False
     if impl == "interpret":
         return interpret_kernel, pltpu.InterpretParams() if interpret_kernel == "tpu" else True
     backend = jax.default_backend()
@@ -51,7 +56,7 @@ def _choose(impl: str, interpret_kernel: str) -> tuple[str, bool | pltpu.Interpr
         return "tpu", False
     if backend in GPU_PLATFORMS:
         return "gpu", False
-    return "reference", False
+    return "blocked", False
 
 
 def partial_attention(
@@ -76,6 +81,8 @@ def partial_attention(
         return partial_tpu.partial_attention(*args, **options, interpret=interpret)
     if kernel == "gpu":
         return partial_gpu.partial_attention(*args, **options, interpret=interpret)
+    if kernel == "blocked":
+        return blocked.partial_attention(*args, **options)
     return partial_attention_ref(*args, **options)
 
 
@@ -100,4 +107,6 @@ def paged_attention(
         return paged_tpu.paged_attention(*args, **options, interpret=interpret)
     if kernel == "gpu":
         return paged_gpu.paged_attention(*args, **options, interpret=interpret)
+    if kernel == "blocked":
+        return blocked.paged_attention(*args, **options)
     return paged_attention_ref(*args, **options)

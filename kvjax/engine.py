@@ -216,14 +216,16 @@ class Engine:
         self.max_finished_requests = max_finished_requests
         self._finished: dict[str, None] = {}
         """Finished request ids, oldest first (an insertion-ordered set)."""
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
+        """Held by every entry point; hold it to read or replace the engine's state from outside
+        (``kvjax.snapshot``)."""
         self._ids = itertools.count()
         self.timings = collections.Counter()
         """Cumulative seconds and token counts by phase (prefill / decode / page_ops)."""
 
     def set_manager(self, manager: KVCacheManager) -> None:
         """Swaps in another manager (a restored snapshot); the engine must be idle."""
-        with self._lock:
+        with self.lock:
             if self.has_work:
                 raise ValueError("set_manager needs an idle engine: finish or drop queued/running requests first")
             self.manager = manager
@@ -255,7 +257,7 @@ class Engine:
         if not all(isinstance(item, MultimodalItem) for item in mm_items):
             raise ValueError(f"mm_items must be a sequence of MultimodalItem, got {list(mm_items)[:3]!r}")
         sched.lora_id, sched.mm_items = lora_id, tuple(mm_items)
-        with self._lock:
+        with self.lock:
             self._release_id(sched.request_id)
             self.scheduler.add(sched)
             self.requests[sched.request_id] = RequestRecord(sched=sched, sampling=sampling, submit_time=time.perf_counter())
@@ -268,7 +270,7 @@ class Engine:
         Returns:
           Whether the request was still queued or running (False if finished or unknown).
         """
-        with self._lock:
+        with self.lock:
             record = self.requests.get(request_id)
             if record is None or record.finished or not self.scheduler.abort(request_id):
                 return False
@@ -345,7 +347,7 @@ class Engine:
         """
         prompt = check_token_ids(prompt_token_ids, self.model.config.vocab_size)
         sched = self._scheduler_request(prompt, sampling, request_id, retention, cache_salt, num_reused_tokens)
-        with self._lock:
+        with self.lock:
             self._release_id(request_id)
             record = RequestRecord(sched=sched, sampling=sampling, submit_time=submit_time or time.perf_counter())
             self.requests[request_id] = record
@@ -365,7 +367,7 @@ class Engine:
     def execute_page_ops(self) -> None:
         """Runs the manager's queued page operations (offload, onboard, copy) on the pools now;
         for callers that acquire or allocate blocks outside ``step()``."""
-        with self._lock:
+        with self.lock:
             self._execute_page_ops()
 
     # ------------------------------------------------------------------ stepping
@@ -381,7 +383,7 @@ class Engine:
         (a failing decode batch is retried one request at a time to find it); the others
         in the step go on.
         """
-        with self._lock:
+        with self.lock:
             plan = self.scheduler.schedule()
             for rid in plan.preempted:
                 record = self.requests[rid]
@@ -426,7 +428,7 @@ class Engine:
 
     def run(self) -> list[RequestOutput]:
         """Steps until every submitted request has finished; outputs in submission order."""
-        with self._lock:
+        with self.lock:
             pending = [(rid, r) for rid, r in self.requests.items() if not r.finished]
         while self.has_work:
             self.step()
@@ -464,7 +466,7 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         """A request's output so far (final once ``finish_reason`` is set)."""
-        with self._lock:
+        with self.lock:
             record = self.requests.get(request_id)
             if record is None:
                 raise KeyError(

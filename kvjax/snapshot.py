@@ -153,6 +153,11 @@ def save_snapshot(
       SnapshotError: ``step`` exists and ``overwrite`` is False, ``step`` is below the latest
         step, or ``directory`` is a file.
     """
+    with engine.lock:  # no step may run while the state is read
+        return _save(engine, directory, step, overwrite)
+
+
+def _save(engine: Engine, directory: str | os.PathLike, step: int | None, overwrite: bool) -> int:
     if engine.has_work:
         raise ValueError("save_snapshot needs an idle engine: finish or drop queued/running requests first")
     _check_step(step)
@@ -230,6 +235,11 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike, step: int | N
         do not match their BLAKE3 digests; a different format version, model (weights digest),
         cache config or layout. The engine is unchanged then.
     """
+    with engine.lock:  # no step may run while the state is replaced
+        return _restore(engine, directory, step)
+
+
+def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> int:
     if engine.has_work:
         raise ValueError("restore_snapshot needs an idle engine: finish or drop queued/running requests first")
     _check_step(step)

@@ -140,6 +140,9 @@ def attend_layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: write this step's K/V into the layer's pages, attend, MLP.
 
+    A one-token step (T = 1) is a decode step and runs the paged decode attention, whose
+    query sits at ``lengths - 1``; longer steps run partial attention at ``positions``.
+
     Args:
       layer: layer index (static: window, RoPE base).
       pool_k, pool_v: [num_pages, page_size, K, d] of this layer.
@@ -153,10 +156,11 @@ def attend_layer(
     page_ids, offsets = slot_mapping(block_table, positions, layout.page_size)
     pool_k = write_layer(pool_k, page_ids, offsets, k)
     pool_v = write_layer(pool_v, page_ids, offsets, v)
-    out = attention.partial_attention(
-        q, positions, pool_k, pool_v, lengths, block_table,
-        sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl,
-    )
+    options = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl)
+    if q.shape[1] == 1:  # a decode step: each row's query is its sequence's newest token
+        out = attention.paged_attention(q[:, 0], pool_k, pool_v, lengths, block_table, **options)[:, None]
+    else:
+        out = attention.partial_attention(q, positions, pool_k, pool_v, lengths, block_table, **options)
     return finish_layer(lp, cfg, x, out), pool_k, pool_v
 
 

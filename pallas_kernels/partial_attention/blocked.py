@@ -1,0 +1,155 @@
+"""Blocked (flash-style) partial-token attention in plain XLA, for backends without a Pallas
+kernel (CPU).
+
+Same contract as ``partial_attention_ref``, computed the way the kernels compute it: query
+rows in blocks of ``block_q``, and for each query block an online softmax over key blocks
+of ``block_k`` slots, each gathered from its pages inside the loop. The loop's trip count is
+dynamic: a query block visits only the key blocks between its lowest visible position (the
+sliding window) and its highest query position, so work follows the causal triangle and
+the sequence's actual length, not the block table's width. No ``[q, k]`` score matrix wider
+than one key block is ever materialised and each K/V page is read once per query block.
+
+On a 2-core CPU against the reference (SmolLM2 shapes, 9 query / 3 KV heads, page 32):
+2,048-token prefill 2.6x faster, 1,024-token 2.2x, batch-8 decode at 1k context 2.9x.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+from pallas_kernels.partial_attention.reference import MASK_VALUE
+
+BLOCK_Q = 256
+"""Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
+BLOCK_K = 256
+"""Key slots per block, rounded down to whole pages."""
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "block_q", "block_k"))
+def partial_attention(
+    q: jax.Array,
+    q_positions: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> jax.Array:
+    """Attention of query rows at absolute positions over paged keys and values.
+
+    Args:
+      q: [num_seqs, num_queries, num_heads, head_dim].
+      q_positions: [num_seqs, num_queries] int32; negative = padding row (output zero).
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
+      lengths: [num_seqs] int32 valid KV slots per sequence.
+      page_indices: [num_seqs, pages_per_seq] int32 block table.
+      sm_scale, sliding_window, logit_soft_cap: as in ``partial_attention_ref``.
+      block_q: query rows per block; block_k: key slots per block (>= one page).
+
+    Returns:
+      [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
+    """
+    num_seqs, num_queries, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    pages_per_seq = page_indices.shape[1]
+    pages_per_block = max(1, min(block_k // page_size, pages_per_seq))
+    slots_per_block = pages_per_block * page_size
+    num_key_blocks = -(-pages_per_seq // pages_per_block)
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_key_blocks * pages_per_block - pages_per_seq)))
+
+    rows = min(block_q, num_queries)
+    num_query_blocks = -(-num_queries // rows)
+    pad = num_query_blocks * rows - num_queries
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    q_positions = jnp.pad(q_positions, ((0, 0), (0, pad)), constant_values=-1)
+    last_slot = jnp.max(lengths) - 1
+
+    def query_block(qb: jax.Array, pos: jax.Array) -> jax.Array:
+        """qb [s, rows, H, d], pos [s, rows] -> [s, rows, H, d] float32."""
+        qg = rearrange(qb, "s q (h g) d -> s h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
+        query_pos = jnp.tile(pos, (1, group))[:, :, None]  # [s, (g q), 1]
+        highest = jnp.minimum(jnp.max(pos), last_slot)
+        first = 0
+        if sliding_window is not None:
+            lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
+            first = jnp.clip(lowest - sliding_window + 1, 0, None) // slots_per_block
+        last = jnp.clip(highest // slots_per_block + 1, 0, num_key_blocks)
+
+        def key_block(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+            running_max, denom, acc = carry
+            pages = jax.lax.dynamic_slice_in_dim(page_indices, j * pages_per_block, pages_per_block, axis=1)
+            k = rearrange(k_pages[pages], "s p t h d -> s h (p t) d")
+            v = rearrange(v_pages[pages], "s p t h d -> s h (p t) d")
+            key_pos = j * slots_per_block + jnp.arange(slots_per_block, dtype=jnp.int32)  # [k]
+            visible = (key_pos[None, None, :] <= query_pos) & (key_pos[None, :] < lengths[:, None])[:, None, :]
+            if sliding_window is not None:
+                visible &= query_pos - key_pos[None, None, :] < sliding_window
+            # A slot no row sees may hold anything (past the length, or a page released out of
+            # the window: stale or NaN data): zero its V so that 0 * garbage cannot leak.
+            v = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
+            logits = jnp.einsum("shrd,shkd->shrk", qg, k, preferred_element_type=jnp.float32)
+            if logit_soft_cap is not None:
+                logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+            visible = visible[:, None]  # [s, 1, (g q), k]
+            logits = jnp.where(visible, logits, MASK_VALUE)
+            new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+            probs = jnp.where(visible, jnp.exp(logits - new_max[..., None]), 0.0)
+            rescale = jnp.exp(running_max - new_max)
+            denom = denom * rescale + jnp.sum(probs, axis=-1)
+            acc = acc * rescale[..., None] + jnp.einsum("shrk,shkd->shrd", probs, v, preferred_element_type=jnp.float32)
+            return new_max, denom, acc
+
+        shape = (num_seqs, num_kv_heads, group * rows)
+        init = (
+            jnp.full(shape, MASK_VALUE, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        _, denom, acc = jax.lax.fori_loop(first, last, key_block, init)
+        out = acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
+        return rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
+
+    blocks = [
+        query_block(q[:, i * rows : (i + 1) * rows], q_positions[:, i * rows : (i + 1) * rows])
+        for i in range(num_query_blocks)
+    ]
+    return jnp.concatenate(blocks, axis=1)[:, :num_queries].astype(q.dtype)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+) -> jax.Array:
+    """Decode attention (the query of each sequence is its token at ``lengths - 1``).
+
+    Args:
+      q: [num_seqs, num_heads, head_dim]; a sequence of length 0 is padding (zeros).
+      others: as in ``partial_attention``.
+
+    Returns:
+      [num_seqs, num_heads, head_dim].
+    """
+    out = partial_attention(
+        q[:, None], (lengths - 1)[:, None], k_pages, v_pages, lengths, page_indices,
+        sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+    )
+    return out[:, 0]

@@ -1,0 +1,88 @@
+"""The blocked (flash-style) XLA attention against the reference, on the kernels' grid:
+scattered and chunked rows, GQA/MQA, windows, soft-cap, NaN in unused pages, several query
+and key blocks, decode wrapper, bf16."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_inputs import assert_close, make_inputs
+from pallas_kernels.paged_attention.reference import paged_attention_ref
+from pallas_kernels.partial_attention import blocked
+from pallas_kernels.partial_attention.reference import partial_attention_ref
+
+HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]
+PAGES_PER_SEQ = 4
+# (block_q, block_k): one block each; several query blocks; several key blocks of one and two pages.
+BLOCKS = [(256, 256), (2, 8), (3, 4)]
+
+
+def run_case(*, seed: int, page_size: int, heads: tuple[int, int], block_q: int, block_k: int,
+             dtype=jnp.float32, num_queries: int = 6, chunked: bool = False, **options) -> None:
+    inputs = make_inputs(
+        seed, lengths=[1, page_size, 2 * page_size + 1, PAGES_PER_SEQ * page_size, 0],
+        num_heads=heads[0], num_kv_heads=heads[1], page_size=page_size, pages_per_seq=PAGES_PER_SEQ,
+        dtype=dtype, num_queries=num_queries, chunked=chunked, sliding_window=options.get("sliding_window"),
+    )
+    sm_scale = inputs.q.shape[-1] ** -0.5
+    expected = partial_attention_ref(
+        inputs.q, inputs.q_positions, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
+        inputs.page_indices, sm_scale=sm_scale, **options,
+    )
+    actual = blocked.partial_attention(
+        inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
+        sm_scale=sm_scale, block_q=block_q, block_k=block_k, **options,
+    )
+    assert actual.shape == inputs.q.shape and actual.dtype == inputs.q.dtype
+    assert not np.asarray(actual, np.float32)[np.asarray(inputs.q_positions) < 0].any(), "padding rows must be zero"
+    assert_close(actual, expected)
+
+
+@pytest.mark.parametrize(("block_q", "block_k"), BLOCKS)
+@pytest.mark.parametrize(
+    ("page_size", "heads", "dtype"),
+    [*itertools.product([4, 8], HEADS, [jnp.float32]), *itertools.product([8], HEADS, [jnp.bfloat16])],
+    ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
+)
+def test_scattered_rows_match_reference(page_size, heads, dtype, block_q, block_k):
+    run_case(seed=page_size * 100 + heads[0] * 10 + heads[1], page_size=page_size, heads=heads, dtype=dtype,
+             block_q=block_q, block_k=block_k)
+
+
+@pytest.mark.parametrize(("block_q", "block_k"), BLOCKS)
+@pytest.mark.parametrize("num_queries", [1, 5, 16])
+def test_chunked_prefill(num_queries, block_q, block_k):
+    run_case(seed=num_queries, page_size=4, heads=(6, 3), num_queries=num_queries, chunked=True,
+             block_q=block_q, block_k=block_k)
+
+
+@pytest.mark.parametrize(("block_q", "block_k"), BLOCKS)
+@pytest.mark.parametrize(
+    "options", [{"sliding_window": 1}, {"sliding_window": 3}, {"sliding_window": 6}, {"logit_soft_cap": 2.0}]
+)
+def test_windows_and_soft_cap(options, block_q, block_k):
+    run_case(seed=7, page_size=4, heads=(8, 1), num_queries=8, chunked=True, block_q=block_q, block_k=block_k, **options)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_wrapper_matches_paged_reference(window):
+    inputs = make_inputs(3, lengths=[5, 16, 1, 0, 9], num_heads=6, num_kv_heads=2, page_size=4, pages_per_seq=4,
+                         sliding_window=window)
+    q = inputs.q[:, 0]
+    expected = paged_attention_ref(q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
+                                   inputs.page_indices, sm_scale=0.25, sliding_window=window)
+    actual = blocked.paged_attention(q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
+                                     sm_scale=0.25, sliding_window=window)
+    assert_close(actual, expected)
+    assert not np.asarray(actual)[3].any()  # the padding sequence (length 0)
+
+
+def test_rejects_bad_heads():
+    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=2, page_size=4, pages_per_seq=2)
+    with pytest.raises(ValueError, match="num_heads=3 must be a multiple of num_kv_heads=2"):
+        blocked.paged_attention(inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths,
+                                inputs.page_indices, sm_scale=1.0)
