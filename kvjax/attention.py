@@ -13,18 +13,30 @@
                ``pltpu.InterpretParams`` (simulated DMAs and semaphores, raises on
                out-of-bounds reads).
 
-Both functions are jittable; ``impl`` and ``interpret_kernel`` are Python values fixed at
-trace time.
+Both functions are jittable; ``impl``, ``interpret_kernel`` and ``mesh`` are Python values
+fixed at trace time.
+
+Over a device mesh (``mesh`` given, axes ``PAGES_AXIS`` x ``KV_AXIS``, pools sharded as
+``(pages, -, kv, -)``), the chosen implementation runs per device under ``jax.shard_map``,
+so the Pallas kernels run sharded too (a custom call the SPMD partitioner cannot split):
+each device attends with its own KV heads; when the pages axis has more than one device,
+each first gathers its own pages of every sequence (others read as zeros) and one
+all-reduce over ``pages`` assembles each sequence's K/V run, which the kernel then reads
+through an identity block table. The pool itself is never all-gathered.
 
 Shapes follow the glossary in ``pallas_kernels/__init__.py``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, PartitionSpec
 
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.partial_attention import blocked
@@ -39,6 +51,10 @@ IMPLS = ("auto", "blocked", "reference", "interpret")
 Kernel = Literal["tpu", "gpu"]
 KERNELS = ("tpu", "gpu")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+PAGES_AXIS = "pages"
+"""Mesh axis over the page dimension of every pool."""
+KV_AXIS = "kv"
+"""Mesh axis over the KV heads (and, consistently, the query heads)."""
 
 
 def _choose(impl: str, interpret_kernel: str) -> tuple[str, bool | pltpu.InterpretParams]:
@@ -72,10 +88,15 @@ def partial_attention(
     logit_soft_cap: float | None = None,
     impl: Impl = "auto",
     interpret_kernel: Kernel = "gpu",
+    mesh: Mesh | None = None,
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV; see ``partial_attention_ref`` for shapes."""
     kernel, interpret = _choose(impl, interpret_kernel)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    if mesh is not None:
+        local = functools.partial(partial_attention, **options, impl=impl, interpret_kernel=interpret_kernel)
+        return _over_mesh(lambda q, kp, vp, lengths, table, qp: local(q, qp, kp, vp, lengths, table), mesh,
+                          q, k_pages, v_pages, lengths, page_indices, q_positions)
     args = (q, q_positions, k_pages, v_pages, lengths, page_indices)
     if kernel == "tpu":
         return partial_tpu.partial_attention(*args, **options, interpret=interpret)
@@ -98,10 +119,14 @@ def paged_attention(
     logit_soft_cap: float | None = None,
     impl: Impl = "auto",
     interpret_kernel: Kernel = "gpu",
+    mesh: Mesh | None = None,
 ) -> jax.Array:
     """Decode attention, one query per sequence; see ``paged_attention_ref`` for shapes."""
     kernel, interpret = _choose(impl, interpret_kernel)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    if mesh is not None:
+        local = functools.partial(paged_attention, **options, impl=impl, interpret_kernel=interpret_kernel)
+        return _over_mesh(local, mesh, q, k_pages, v_pages, lengths, page_indices)
     args = (q, k_pages, v_pages, lengths, page_indices)
     if kernel == "tpu":
         return paged_tpu.paged_attention(*args, **options, interpret=interpret)
@@ -110,3 +135,66 @@ def paged_attention(
     if kernel == "blocked":
         return blocked.paged_attention(*args, **options)
     return paged_attention_ref(*args, **options)
+
+
+def _over_mesh(
+    attend: Callable[..., jax.Array],
+    mesh: Mesh,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    *rest: jax.Array,
+) -> jax.Array:
+    """``attend(q, k_pages, v_pages, lengths, page_indices, *rest)`` per device of ``mesh``.
+
+    Args:
+      q: [..., num_heads, head_dim], heads split over ``KV_AXIS`` like the pools' KV heads.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], sharded
+        ``(PAGES_AXIS, -, KV_AXIS, -)``.
+      lengths [S], page_indices [S, pages_per_seq] (global page ids), rest (e.g. query
+        positions): replicated.
+
+    Returns:
+      Like q, heads split over ``KV_AXIS``.
+    """
+    heads = PartitionSpec(*([None] * (q.ndim - 2)), KV_AXIS, None)
+    pool = PartitionSpec(PAGES_AXIS, None, KV_AXIS, None)
+    num_page_shards = mesh.shape[PAGES_AXIS]
+
+    def local(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array, table: jax.Array,
+              *rest: jax.Array) -> jax.Array:
+        if num_page_shards > 1:
+            k_pages, v_pages, table = _assemble_runs(k_pages, v_pages, table)
+        return attend(q, k_pages, v_pages, lengths, table, *rest)
+
+    replicated = (PartitionSpec(),) * (2 + len(rest))
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(heads, pool, pool, *replicated), out_specs=heads, check_vma=False,
+    )(q, k_pages, v_pages, lengths, page_indices, *rest)
+
+
+def _assemble_runs(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Inside ``shard_map`` over a split page axis: every sequence's pages gathered from the
+    devices that hold them (one all-reduce over ``PAGES_AXIS``) as a pool of ``S *
+    pages_per_seq`` pages with an identity block table.
+
+    Args:
+      k_pages, v_pages: this device's [num_local_pages, page_size, kv_heads_local, head_dim].
+      table: [S, pages_per_seq] global page ids.
+
+    Returns:
+      (k, v [S * pages_per_seq, page_size, kv_heads_local, head_dim], table [S, pages_per_seq]).
+    """
+    num_local = k_pages.shape[0]
+    local_ids = table - jax.lax.axis_index(PAGES_AXIS) * num_local
+    mine = ((local_ids >= 0) & (local_ids < num_local))[..., None, None, None]
+    safe = jnp.clip(local_ids, 0, num_local - 1)
+
+    def run(pages: jax.Array) -> jax.Array:
+        gathered = jnp.where(mine, pages[safe], jnp.zeros((), pages.dtype))  # [S, W, page, K, d]
+        return jax.lax.psum(gathered, PAGES_AXIS).reshape(-1, *pages.shape[1:])
+
+    identity = jnp.arange(table.size, dtype=table.dtype).reshape(table.shape)
+    return run(k_pages), run(v_pages), identity

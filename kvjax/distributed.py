@@ -42,8 +42,10 @@ pass ``devices=jax.devices()[:3]`` for a 3-way ``kv`` mesh.
 
 The model code is unchanged: ``kvjax.model.transformer.forward`` and the CacheBlend fusor
 are ordinary jitted functions, and XLA's SPMD partitioner (``AxisType.Auto`` mesh axes)
-splits them from the shardings of their inputs. The Pallas kernels are custom calls the
-partitioner cannot split, so ``sharded_forward`` uses the XLA reference attention.
+splits them from the shardings of their inputs. Attention is the exception:
+``sharded_forward`` passes the mesh down, and ``kvjax.attention`` runs the chosen
+implementation (a Pallas kernel on TPU/GPU, the blocked XLA one on CPU) per device under
+``shard_map``, since the partitioner cannot split a kernel's custom call.
 
 Multi-host: call ``initialize_distributed()`` first in every process, then build the mesh
 from ``jax.devices()`` (all hosts' devices) as on one host.
@@ -69,8 +71,8 @@ from kvjax.cache.pool import PagePool
 from kvjax.model.config import ModelConfig
 from kvjax.model.transformer import LayerParams, LogitsMode, Params, forward
 
-PAGES = "pages"
-KV = "kv"
+PAGES = attention.PAGES_AXIS
+KV = attention.KV_AXIS
 AXES = (PAGES, KV)
 POOL_SPEC = PartitionSpec(PAGES, None, KV, None)
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -207,7 +209,7 @@ def sharded_forward(
     layout: CacheLayout,
     mesh: Mesh,
     logits_mode: LogitsMode = "last",
-    attn_impl: attention.Impl = "reference",
+    attn_impl: attention.Impl = "auto",
 ) -> tuple[jax.Array | None, PagePool]:
     """``transformer.forward`` over ``mesh``: params from ``shard_params``, pool from
     ``shard_pool``/``init_sharded_pool`` (donated); the step's host inputs are replicated.
@@ -222,7 +224,7 @@ def sharded_forward(
     tokens, positions, block_tables, lengths = replicate((tokens, positions, tuple(block_tables), lengths), mesh)
     return forward(
         params, pool, tokens, positions, block_tables, lengths,
-        cfg=cfg, layout=layout, logits_mode=logits_mode, attn_impl=attn_impl,
+        cfg=cfg, layout=layout, logits_mode=logits_mode, attn_impl=attn_impl, mesh=mesh,
     )
 
 

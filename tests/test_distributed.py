@@ -12,6 +12,9 @@ Cases (8 devices; mesh = pages x kv from ``kvjax.distributed.make_mesh``):
   gqa3   3 KV heads (SmolLM2's) -> pages 8 x kv 1 (KV heads do not divide 8), windowed layers
   mqa1   1 KV head (Gemma 3's) -> pages 8 x kv 1, windowed layers
   gqa3_on3  3 KV heads on 3 of the 8 devices -> pages 1 x kv 3
+The sharded runs use ``sharded_forward``'s default attention (the blocked XLA implementation
+per device under ``shard_map``); ``kernel_gqa4`` runs the Pallas GPU kernel (interpret mode)
+under ``shard_map`` on the pages 2 x kv 4 mesh.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ TINY_CASES = {
 }
 EXPECTED_MESH = {"mha8": (1, 8), "gqa4": (2, 4), "gqa3": (8, 1), "mqa1": (8, 1), "gqa3_on3": (1, 3)}
 BLEND_CASES = ("mha8", "gqa3")
+KERNEL_CASES = ("gqa4",)
 
 
 def _rel(a, b) -> float:
@@ -60,8 +64,8 @@ def _run_steps(step, tokens: np.ndarray, prefill: int, table: np.ndarray) -> lis
     return out
 
 
-def forward_case(name: str, overrides: dict, num_tokens: int = 70, page_size: int = 8) -> dict:
-    """Chunked prefill + decode on a tiny model, one device vs the mesh."""
+def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens: int = 70, page_size: int = 8) -> dict:
+    """Chunked prefill + decode on a tiny model, one device (XLA reference) vs the mesh (``attn_impl``)."""
     import jax
     import jax.numpy as jnp
 
@@ -95,16 +99,17 @@ def forward_case(name: str, overrides: dict, num_tokens: int = 70, page_size: in
 
     sparams = distributed.shard_params(params, cfg, mesh)
     state["pool"] = distributed.init_sharded_pool(layout, mesh)
-    lowered = jax.jit(forward, static_argnames=("cfg", "layout", "logits_mode", "attn_impl")).lower(
+    lowered = jax.jit(forward, static_argnames=("cfg", "layout", "logits_mode", "attn_impl", "mesh")).lower(
         sparams, state["pool"], *distributed.replicate(
             (tokens[None, :prefill], np.arange(prefill, dtype=np.int32)[None], tables(table), np.asarray([prefill], np.int32)), mesh,
-        ), cfg=cfg, layout=layout, logits_mode="all", attn_impl="reference",
+        ), cfg=cfg, layout=layout, logits_mode="all", attn_impl=attn_impl, mesh=mesh,
     )
     found = distributed.collectives(lowered.compile().as_text())
 
     def sharded(tok, pos, tbl, lengths, mode):
         logits, state["pool"] = distributed.sharded_forward(
             sparams, state["pool"], tok, pos, tables(tbl), lengths, cfg=cfg, layout=layout, mesh=mesh, logits_mode=mode,
+            attn_impl=attn_impl,
         )
         return logits
 
@@ -235,8 +240,9 @@ def tiny_results() -> dict:
     return _spawn("""
         import json, jax
         assert jax.device_count() == 8, jax.devices()
-        from tests.test_distributed import TINY_CASES, BLEND_CASES, forward_case, blend_case
+        from tests.test_distributed import TINY_CASES, BLEND_CASES, KERNEL_CASES, forward_case, blend_case
         out = {name: forward_case(name, o) for name, o in TINY_CASES.items()}
+        out.update({f"kernel_{name}": forward_case(name, TINY_CASES[name], "interpret") for name in KERNEL_CASES})
         out.update({f"blend_{name}": blend_case(name, TINY_CASES[name]) for name in BLEND_CASES})
         print(json.dumps(out))
     """)
@@ -248,6 +254,14 @@ def test_prefill_and_decode_match_one_device(tiny_results, name):
     assert tuple(r["mesh"]) == EXPECTED_MESH[name]
     assert r["prefill_rel"] < RTOL and r["decode_rel"] < RTOL, r
     assert r["pool_rel"] < RTOL, r
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_pallas_kernel_runs_per_device_under_shard_map(tiny_results, name):
+    r = tiny_results[f"kernel_{name}"]
+    assert tuple(r["mesh"]) == EXPECTED_MESH[name]
+    assert r["prefill_rel"] < RTOL and r["decode_rel"] < RTOL, r
+    assert r["pool_sharded"] and r["collectives"]["all-gather"] == 0, r
 
 
 @pytest.mark.parametrize("name", list(TINY_CASES))

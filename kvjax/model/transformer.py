@@ -21,6 +21,7 @@ from typing import Literal
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from kvjax import attention
 from kvjax.cache.layout import CacheLayout
@@ -137,6 +138,7 @@ def attend_layer(
     block_table: jax.Array,
     lengths: jax.Array,
     attn_impl: attention.Impl,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: write this step's K/V into the layer's pages, attend, MLP.
 
@@ -148,6 +150,8 @@ def attend_layer(
       pool_k, pool_v: [num_pages, page_size, K, d] of this layer.
       x: [S, T, D]; positions: [S, T] (negative = padding).
       block_table: [S, pages_per_seq] of the layer's group; lengths: [S] KV lengths after the write.
+      mesh: the device mesh the pool is sharded over (attention then runs per device, see
+        ``kvjax.attention``); None = one device or GSPMD.
 
     Returns:
       (x leaving the layer [S, T, D], pool_k, pool_v).
@@ -156,7 +160,7 @@ def attend_layer(
     page_ids, offsets = slot_mapping(block_table, positions, layout.page_size)
     pool_k = write_layer(pool_k, page_ids, offsets, k)
     pool_v = write_layer(pool_v, page_ids, offsets, v)
-    options = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl)
+    options = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl, mesh=mesh)
     if q.shape[1] == 1:  # a decode step: each row's query is its sequence's newest token
         out = attention.paged_attention(q[:, 0], pool_k, pool_v, lengths, block_table, **options)[:, None]
     else:
@@ -165,7 +169,7 @@ def attend_layer(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "logits_mode", "attn_impl"), donate_argnames=("pool",)
+    jax.jit, static_argnames=("cfg", "layout", "logits_mode", "attn_impl", "mesh"), donate_argnames=("pool",)
 )
 def forward(
     params: Params,
@@ -179,6 +183,7 @@ def forward(
     layout: CacheLayout,
     logits_mode: LogitsMode = "last",
     attn_impl: attention.Impl = "auto",
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array | None, PagePool]:
     """Runs the step's tokens through the model, writing their K/V into the pool.
 
@@ -191,6 +196,8 @@ def forward(
       lengths: [S] int32 KV length of each sequence after this step.
       logits_mode: "last" -> [S, V] at each row's last valid token; "all" -> [S, T, V];
         "none" -> None (prefill of a chunk that is not the last).
+      mesh: the mesh ``pool`` is sharded over (``kvjax.distributed``): attention runs per
+        device under ``shard_map``; None = unsharded.
 
     Returns:
       (logits float32 or None, updated pool).
@@ -200,7 +207,7 @@ def forward(
     for layer, lp in enumerate(params.layers):
         x, pool_k[layer], pool_v[layer] = attend_layer(
             lp, cfg, layout, layer, pool_k[layer], pool_v[layer], x, positions,
-            block_tables[layout.layer_group[layer]], lengths, attn_impl,
+            block_tables[layout.layer_group[layer]], lengths, attn_impl, mesh,
         )
     pool = PagePool(k=tuple(pool_k), v=tuple(pool_v))
     if logits_mode == "none":
