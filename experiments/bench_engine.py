@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import pathlib
 import time
-from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tqdm import tqdm
 
 from experiments import report
+from experiments.timing import machine_limits
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.registry import load_model
@@ -36,32 +35,6 @@ quiet 2-core AMD EPYC with AVX-512 whose jitted f32 2048^3 matmul reached ~460 G
 VLLM_MACHINE_GFLOPS = 460.0
 
 FIRST = SamplingParams(max_new_tokens=1, ignore_eos=True)
-
-
-def machine_limits(repeats: int = 5) -> dict[str, float]:
-    """This machine's jitted f32 matmul rate (2048^3 and the prefill MLP shape
-    [1024x576]x[576x1536]) in GFLOP/s, and its copy bandwidth (256 MiB array, bytes read +
-    written per second) in GB/s; medians after a warm-up."""
-
-    def median_s(fn: Callable[[], object]) -> float:
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
-
-    matmul = jax.jit(jnp.matmul)
-    a = jnp.ones((2048, 2048), jnp.float32)
-    x, w = jnp.ones((1024, 576), jnp.float32), jnp.ones((576, 1536), jnp.float32)
-    big = np.ones(64 * 2**20, np.float32)
-    out = np.empty_like(big)
-    return {
-        "matmul_2048_gflops": 2 * 2048**3 / median_s(lambda: matmul(a, a)) / 1e9,
-        "matmul_mlp_gflops": 2 * 1024 * 576 * 1536 / median_s(lambda: matmul(x, w)) / 1e9,
-        "copy_gb_s": 2 * big.nbytes / median_s(lambda: np.copyto(out, big)) / 1e9,
-    }
 
 
 def measure(engine: Engine, config: ml_collections.ConfigDict, rng: np.random.Generator) -> dict[str, tuple[float, float]]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,22 +18,11 @@ import ml_collections
 import numpy as np
 from einops import rearrange
 
+from experiments.timing import median_seconds
 from kvjax import attention
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-
-
-def median_seconds(fn: Callable[[], jax.Array], warmup: int, iters: int) -> float:
-    """Median wall time of ``fn()`` (blocked until ready) over ``iters`` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def contiguous_decode(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, sm_scale: float) -> jax.Array:

@@ -1,0 +1,39 @@
+"""Timing helpers shared by the benchmarks: medians after warm-up, and the machine's own
+limits (matmul rate, copy bandwidth) that every speed row is read against."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def median_seconds(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median wall time of ``fn()`` (blocked until ready) over ``iters`` calls after ``warmup``."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def machine_limits(iters: int = 5) -> dict[str, float]:
+    """This machine's jitted f32 matmul rate in GFLOP/s (2048^3, and the prefill MLP shape
+    [1024x576]x[576x1536]) and its copy bandwidth in GB/s (a 256 MiB array, bytes read +
+    written per second); medians after one warm-up call."""
+    matmul = jax.jit(jnp.matmul)
+    a = jnp.ones((2048, 2048), jnp.float32)
+    x, w = jnp.ones((1024, 576), jnp.float32), jnp.ones((576, 1536), jnp.float32)
+    big = np.ones(64 * 2**20, np.float32)
+    out = np.empty_like(big)
+    return {
+        "matmul_2048_gflops": 2 * 2048**3 / median_seconds(lambda: matmul(a, a), 1, iters) / 1e9,
+        "matmul_mlp_gflops": 2 * 1024 * 576 * 1536 / median_seconds(lambda: matmul(x, w), 1, iters) / 1e9,
+        "copy_gb_s": 2 * big.nbytes / median_seconds(lambda: np.copyto(out, big), 1, iters) / 1e9,
+    }
