@@ -8,6 +8,8 @@ Host-side numpy functions over arrays read back from the device:
                agreement, first divergence;
   selection    recall against an oracle set;
   cost         recomputed FLOP fraction;
+  gold         SQuAD exact match and token F1 (the official v1.1 normalisation, max over the
+               gold answers), needle-in-a-haystack exact retrieval;
   statistics   percentile bootstrap intervals over prompts (paired when comparing policies).
 
 Shapes: L = layers, T = tokens, K = kv heads, d = head_dim, N = continuation tokens, V = vocab.
@@ -15,6 +17,9 @@ Shapes: L = layers, T = tokens, K = kv heads, d = head_dim, N = continuation tok
 
 from __future__ import annotations
 
+import collections
+import re
+import string
 from collections.abc import Sequence
 
 import numpy as np
@@ -135,6 +140,51 @@ def recompute_flop_fraction(cfg: ModelConfig, recomputed: np.ndarray, num_tokens
     return part / full
 
 
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def squad_normalize(text: str) -> str:
+    """The official SQuAD v1.1 answer normalisation: lowercase, drop ASCII punctuation, drop
+    the articles a/an/the, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def squad_exact_match(prediction: str, gold_answers: Sequence[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0."""
+    pred = squad_normalize(prediction)
+    return float(any(pred == squad_normalize(g) for g in gold_answers))
+
+
+def _token_f1(prediction: str, gold: str) -> float:
+    pred, ref = squad_normalize(prediction).split(), squad_normalize(gold).split()
+    same = sum((collections.Counter(pred) & collections.Counter(ref)).values())
+    if same == 0:
+        return 0.0
+    precision, rec = same / len(pred), same / len(ref)
+    return 2 * precision * rec / (precision + rec)
+
+
+def squad_f1(prediction: str, gold_answers: Sequence[str]) -> float:
+    """Token-overlap F1 of the normalised bag of words, max over the gold answers, in [0, 1]."""
+    return max((_token_f1(prediction, g) for g in gold_answers), default=0.0)
+
+
+def niah_recall(prediction: str, values: Sequence[str]) -> float:
+    """Share of the needle values found in the prediction as whole tokens (a value is not
+    matched inside a longer number or word)."""
+    if not values:
+        return 1.0
+    found = [re.search(rf"(?<![0-9A-Za-z]){re.escape(v)}(?![0-9A-Za-z])", prediction) is not None for v in values]
+    return sum(found) / len(values)
+
+
+def niah_exact(prediction: str, values: Sequence[str]) -> float:
+    """Exact retrieval: 1.0 if every required needle value is in the prediction, else 0.0."""
+    return float(niah_recall(prediction, values) == 1.0)
+
+
 def bootstrap_ci(values: Sequence[float] | np.ndarray, *, num: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
     """(mean, low, high): percentile bootstrap of the mean over the given units (prompts)."""
     x = np.asarray(values, np.float64)
@@ -144,3 +194,12 @@ def bootstrap_ci(values: Sequence[float] | np.ndarray, *, num: int = 2000, level
     means = x[rng.integers(0, len(x), (num, len(x)))].mean(axis=1)
     lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(x.mean()), float(lo), float(hi)
+
+
+def paired_bootstrap_ci(values: Sequence[float] | np.ndarray, baseline: Sequence[float] | np.ndarray, *, num: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high) of the per-prompt difference ``values - baseline`` (both [prompts],
+    the same prompts in the same order), resampling prompts."""
+    a, b = np.asarray(values, np.float64), np.asarray(baseline, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"paired values need the same prompts: shapes {a.shape} and {b.shape}")
+    return bootstrap_ci(a - b, num=num, level=level, seed=seed)

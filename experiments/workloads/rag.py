@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from experiments.workloads.frame import SYSTEM_PROMPT, document_prefix, question_suffix
 from kvjax.model.tokenizer import Tokenizer
 
 TASKS = ("cross_chunk_binding", "two_hop", "scoped_override", "single_chunk")
@@ -57,9 +58,13 @@ class RagExample:
       prefix: shared system prefix token ids.
       chunks: token ids of each chunk, in prompt order.
       suffix: question (and the assistant header) token ids.
-      answer: gold answer string.
-      fact_chunks: prompt-order indices of the chunks holding the planted facts.
+      answer: gold answer string (the first of ``gold_answers``, or all the required needle
+        values joined by ", ").
+      fact_chunks: prompt-order indices of the chunks holding the planted facts (the gold
+        paragraph, the needles the question needs).
       question: the question text.
+      gold_answers: accepted answers (SQuAD: any one; needle in a haystack: every value is
+        required); score a generation with ``experiments.workloads.gold_scores``.
     """
 
     task: str
@@ -69,6 +74,7 @@ class RagExample:
     answer: str
     fact_chunks: tuple[int, ...]
     question: str
+    gold_answers: tuple[str, ...]
 
 
 def _filler(rng: np.random.Generator) -> str:
@@ -134,7 +140,7 @@ def make_examples(
     tasks: Sequence[str] = TASKS,
     num_chunks: tuple[int, int] = (6, 6),
     chunk_tokens: tuple[int, int] = (256, 256),
-    system_prompt: str = "You are a helpful assistant. Answer the question using the documents.",
+    system_prompt: str = SYSTEM_PROMPT,
 ) -> list[RagExample]:
     """``num`` examples cycling through ``tasks``, reproducible from ``seed``.
 
@@ -154,13 +160,7 @@ def make_examples(
     if not (64 <= chunk_tokens[0] <= chunk_tokens[1] <= 512):
         raise ValueError(f"chunk_tokens={chunk_tokens} must satisfy 64 <= min <= max <= 512")
     rng = np.random.default_rng(seed)
-    chat = tokenizer.chat_format == "chatml"
-    if chat:
-        prefix = tuple(tokenizer.encode(
-            f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\nDocuments:", add_bos=False
-        ))
-    else:
-        prefix = tuple(tokenizer.encode(f"{system_prompt}\n\nDocuments:", add_bos=True))
+    prefix = document_prefix(tokenizer, system_prompt)
     lengths = np.arange(chunk_tokens[0], chunk_tokens[1] + 1)
     lengths = lengths[lengths % 64 == 0] if np.any(lengths % 64 == 0) else lengths
     examples = []
@@ -175,14 +175,10 @@ def make_examples(
         for j in range(n):
             fact = facts[j] if j < len(facts) else None
             contents[order[j]] = _chunk_tokens(tokenizer, rng, int(rng.choice(lengths)), fact)
-        if chat:
-            text = f"\nQuestion: {question} Answer with the value only.<|im_end|>\n<|im_start|>assistant\n"
-        else:
-            text = f"\n\nQuestion: {question}\nAnswer: {stem}"
-        suffix = tokenizer.encode(text, add_bos=False)
+        suffix = question_suffix(tokenizer, question, instruction="Answer with the value only.", stem=stem, system_prompt=system_prompt)
         examples.append(RagExample(
-            task=task, prefix=prefix, chunks=tuple(contents), suffix=tuple(suffix), answer=answer,
-            fact_chunks=tuple(int(order[j]) for j in range(len(facts))), question=question,
+            task=task, prefix=prefix, chunks=tuple(contents), suffix=suffix, answer=answer,
+            fact_chunks=tuple(int(order[j]) for j in range(len(facts))), question=question, gold_answers=(answer,),
         ))
     return examples
 
