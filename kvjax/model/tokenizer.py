@@ -3,7 +3,8 @@
 ``gpt2`` vocabularies (SmolLM2) become byte-level BPE with the pre-tokenizer llama.cpp
 names; ``llama`` vocabularies with scores (Gemma 3, SentencePiece) become a BPE whose merges
 are derived from the piece scores. Control tokens are registered as special tokens so
-``<|im_start|>`` and friends encode to one id.
+``<|im_start|>`` and friends encode to one id; user-defined pieces (Gemma 3's runs of
+newlines, spaces and tabs, its HTML tags) are matched whole before BPE, as SentencePiece does.
 """
 
 from __future__ import annotations
@@ -70,13 +71,12 @@ class Tokenizer:
 
 def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[tokenizers.AddedToken]:
     """Control tokens (special: dropped when decoding with skip_special_tokens) and
-    user-defined ones (matched whole in the normalized input, as SentencePiece does, and
-    kept as text). A user-defined piece with a raw space can never match normalized text
-    (spaces become "▁"), so it is left out, as SentencePiece never emits it."""
+    user-defined ones (matched whole in the normalized input, leftmost-longest, as
+    SentencePiece's prefix matcher does, never merged with their neighbours, and kept as text)."""
     return [
         tokenizers.AddedToken(tok, special=kind == _CONTROL, normalized=kind == _USER_DEFINED)
         for tok, kind in zip(tokens, types)
-        if kind == _CONTROL or (kind == _USER_DEFINED and " " not in tok)
+        if kind in (_CONTROL, _USER_DEFINED)
     ]
 
 
@@ -93,6 +93,17 @@ def _gpt2_backend(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) 
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _unescape_user_defined_spaces(tokens: Sequence[str], types: Sequence[int]) -> list[str]:
+    """Spells user-defined pieces with "▁" again where the GGUF has a literal space.
+
+    llama.cpp's converter rewrites "▁" as " " in user-defined pieces (Gemma 3's ids 138-167
+    are runs of 2-31 spaces), because llama.cpp matches them on the raw text. SentencePiece
+    matches them on the normalized text, where every space is "▁": with the literal spelling
+    they never match, and each run of spaces falls apart into single "▁" tokens.
+    """
+    return [tok.replace(" ", "▁") if kind == _USER_DEFINED else tok for tok, kind in zip(tokens, types)]
 
 
 def _spm_backend(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
@@ -113,8 +124,8 @@ def _spm_backend(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -
         models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], fuse_unk=True, byte_fallback=True,
                    unk_token=tokens[int(field_value(reader, "tokenizer.ggml.unknown_token_id", 3))])
     )
+    # No pre-tokenizer: SentencePiece merges across "▁" too (Gemma 3 has ">▁</").
     backend.normalizer = normalizers.Replace(" ", "▁")
-    backend.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
@@ -129,6 +140,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     if kind == "gpt2":
         backend = _gpt2_backend(reader, tokens, types)
     elif kind == "llama":
+        tokens = _unescape_user_defined_spaces(tokens, types)
         backend = _spm_backend(reader, tokens, types)
     else:
         raise ValueError(f"tokenizer.ggml.model={kind!r} is not supported; supported: 'gpt2', 'llama'")
