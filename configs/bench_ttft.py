@@ -7,7 +7,7 @@ For every prompt length, in one run on SmolLM2-135M:
   cold        a fresh prompt through the engine (nothing reusable);
   hit_<p>     through the engine, a prompt whose first p% (block-aligned) is cached by an
               earlier request (the radix-tree prefix hit skips that prefill);
-  blend_full  CacheBlend's path with everything recomputed (``Blender.full_recompute``);
+  blend_full  full recompute as an engine request of the Blender harness (nothing reused);
   blend_<r>   CacheBlend at recompute ratio r: chunk KV precomputed (untimed, offline) and
               reused out of prefix order, r of the chunk tokens recomputed (kvjax.blend).
 Each cell runs ``warmup`` untimed rounds (compiles every shape) and reports the median of
@@ -39,7 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.scheduler.max_num_tokens = 2048  # step token budget
 
     config.blend = ml_collections.ConfigDict()
-    config.blend.prefix_tokens = 32  # shared system prompt (exact, prefix-cached by the Blender)
+    config.blend.prefix_tokens = 32  # shared system prompt (exact, reused from the chunk store)
     config.blend.suffix_tokens = 32  # question tokens (always recomputed)
     config.blend.chunk_tokens = 256  # retrieved chunk size; chunks fill the rest of the prompt
     config.blend.check_layers = (1, 2, 3)  # deviation checks (gradual filtering)

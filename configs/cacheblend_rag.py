@@ -1,8 +1,8 @@
-"""CacheBlend on synthetic RAG prompts, every policy against full recompute (SPEC C, E2).
+"""CacheBlend on synthetic RAG prompts, every policy an engine request against full recompute.
 
     python -m experiments.run --config=configs/cacheblend_rag.py
     python -m experiments.run --config=configs/cacheblend_rag.py \
-        --config.num_prompts=200 --config.policy.recompute_ratio=0.2 --config.store.tier=disk
+        --config.num_prompts=200 --config.policy.recompute_ratio=auto
 
 The default (6 prompts of 6 chunks x 256 tokens) takes a few minutes on 2 CPU cores;
 ``num_prompts`` scales the bootstrap intervals.
@@ -26,17 +26,11 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.store = ml_collections.ConfigDict()
     config.store.variant = "system"  # chunk KV computed at: pos0 | bos | system (behind the system prompt)
-    config.store.tier = "device"  # where chunk KV waits: device | host | disk
-    config.store.device_capacity = 8192  # device-arena token slots (cleared per prompt)
-    # standalone: policies read chunk KV from ChunkStore arrays. manager: additionally stores
-    # chunks as engine blocks (ManagedChunkStore) and runs CacheBlend end to end through the
-    # engine (submit_blended + Engine.step decoding); chunk tails are recomputed there, so its
-    # numbers differ slightly from the standalone row and standalone stays the default.
-    config.store.backend = "standalone"
-    config.store.manager_max_tokens = 16384  # engine cache size (tokens) for the manager backend
+    config.store.tier = "hbm"  # controller tier the chunks wait in ("auto" ratio): hbm | host | nvme | disk
+    config.store.cache_tokens = 32768  # engine cache size (tokens): chunks, prefixes and evaluation requests
 
     config.policy = ml_collections.ConfigDict()
-    config.policy.recompute_ratio = 0.15  # share of chunk tokens recomputed (selectors)
+    config.policy.recompute_ratio = "0.15"  # share of chunk tokens recomputed (selectors), or "auto": the loading controller
     config.policy.check_layers = (1, 2, 3)  # CacheBlend deviation checks; first >= 1
     config.policy.budgets = (2.0, 1.5, 1.0)  # rows kept after each check, in units of the target
     config.policy.deviation = "kv"  # k | v | kv: which deviation scores tokens
@@ -47,6 +41,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.sweep.ratios = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)  # quality-vs-ratio sweep
     config.sweep.policies = ("cacheblend",)  # selectors swept (add "random" for the control curve)
     config.sweep.num_prompts = 1  # first prompts used by the sweep (0 = skip)
+    # cheaper CacheBlend schedules (check layers, budgets) timed and scored beside the default
+    config.schedules = (((1,), (1.0,)), ((2,), (1.0,)))
 
     config.eval = ml_collections.ConfigDict()
     config.eval.continuation_tokens = 32  # N: teacher-forced continuation length for KL / top-1
@@ -65,7 +61,4 @@ def get_config() -> ml_collections.ConfigDict:
     config.controller.nvme_gbps = 3.0  # assumed NVMe bandwidth (GB/s)
     config.controller.nvme_latency_ms = 0.1  # assumed NVMe latency per layer read (ms)
 
-    config.pipeline = ml_collections.ConfigDict()
-    config.pipeline.enabled = True  # measure the layer-wise load/recompute overlap
-    config.pipeline.tier = "disk"  # tier the pipelined prefill loads from: host | disk
     return config

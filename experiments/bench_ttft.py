@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import pathlib
-import time
 
 import jax
 import matplotlib
@@ -18,7 +17,7 @@ from tqdm import tqdm
 
 from experiments import report
 from kvjax.blend import selection
-from kvjax.blend.blender import Blender, BlendPrompt
+from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
@@ -63,30 +62,24 @@ def blend_prompt(config: ml_collections.ConfigDict, prefix: tuple[int, ...], len
 
 
 def blend_round(blender: Blender, config: ml_collections.ConfigDict, length: int, rng: np.random.Generator) -> dict[str, tuple[float, int]]:
-    """One round at ``length``: full recompute and CacheBlend at each ratio on one fresh prompt.
+    """One round at ``length``: full recompute and CacheBlend at each ratio on one fresh prompt,
+    all engine requests (the chunks are stored first, untimed).
 
     Returns:
       method -> (TTFT seconds, top-1 agreement with full recompute as 0/1).
     """
-    cfg, c = blender.cfg, config.blend
-    prompt = blend_prompt(config, blender.prefix, length, rng, cfg.vocab_size)
-    blender.store.clear()
+    c = config.blend
+    prompt = blend_prompt(config, blender.store.prefix_tokens, length, rng, blender.engine.model.config.vocab_size)
     for chunk in prompt.chunks:  # offline precompute, untimed
         blender.store.put(chunk)
-    jax.block_until_ready(blender.reused_kv(prompt, blender.padded(prompt.roles.num_tokens)))  # puts finished
-    start = time.perf_counter()
-    full = int(np.argmax(np.asarray(blender.full_recompute(prompt))))
-    out = {"blend_full": (time.perf_counter() - start, 1)}
+    full = blender.run(prompt, FULL_RECOMPUTE)
+    out = {"blend_full": (full.ttft_s, 1)}
     for ratio in config.blend_ratios:
         sel_config = selection.SelectionConfig(
             recompute_ratio=ratio, check_layers=tuple(c.check_layers), budgets=tuple(c.budgets), row_bucket=c.row_bucket,
         )
-        start = time.perf_counter()
-        roles = prompt.roles
-        sel = selection.select_cacheblend(roles, sel_config, blender.padded(roles.num_tokens), cfg.num_layers)
-        logits, _ = blender.blend(prompt, sel)
-        top1 = int(np.argmax(np.asarray(logits)))
-        out[f"blend_{ratio:g}"] = (time.perf_counter() - start, int(top1 == full))
+        run = blender.run(prompt, sel_config)
+        out[f"blend_{ratio:g}"] = (run.ttft_s, int(np.argmax(run.logits[-1]) == np.argmax(full.logits[0])))
     return out
 
 
@@ -121,28 +114,16 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(**config.scheduler.to_dict()),
         max_seq_len=max(config.lengths) + 64,
     )
-    blenders = {}
+    blender = None
     if config.blend_ratios:
         prefix = tuple(int(t) for t in rng.integers(3, model.config.vocab_size, config.blend.prefix_tokens))
-        store = ChunkStore(
-            model.params, model.config, variant="system", prefix_tokens=prefix, device_capacity=max(config.lengths) + 1,
-            page_size=config.kv_cache.tokens_per_block,
-        )
-        # One Blender per length: its block table spans max_tokens, so a shared one sized for
-        # the longest prompt would make short prompts attend over the longest's slots.
-        blenders = {
-            length: Blender(
-                model.params, model.config, store, prefix, max_tokens=length,
-                page_size=config.kv_cache.tokens_per_block, token_bucket=config.blend.token_bucket,
-            )
-            for length in config.lengths
-        }
+        blender = Blender(ChunkStore(engine, variant="system", prefix_tokens=prefix), token_bucket=config.blend.token_bucket)
     samples: dict[tuple[int, str], list[tuple[float, int]]] = collections.defaultdict(list)
     for length in config.lengths:
         for round_ in tqdm(range(config.warmup + config.repeats), desc=f"ttft {length} tokens"):
             measured = engine_round(engine, config, length, rng)
-            if blenders:
-                measured |= blend_round(blenders[length], config, length, rng)
+            if blender is not None:
+                measured |= blend_round(blender, config, length, rng)
             if round_ >= config.warmup:
                 for method, value in measured.items():
                     samples[length, method].append(value)

@@ -1,10 +1,12 @@
-"""CacheBlend against full recompute on synthetic RAG prompts (SPEC C3-C8, E2).
+"""CacheBlend against full recompute on synthetic RAG prompts, every policy through the engine.
 
-Per prompt: the chunks are stored (untimed, as offline precompute), then every policy runs
-its prefill on the same tokens and is timed to the first token's logits; the full-recompute
-greedy continuation of N tokens is the reference that every policy is teacher-forced along.
-A ratio sweep, deviation analyses (CDFs, concentration, adjacent-layer correlation), the
-loading controller's decision and the layer-wise pipeline overlap complete the run folder.
+Per prompt: the chunks are stored in the engine's cache manager (untimed, as offline
+precompute), then every policy runs as an engine request on the same tokens and is timed to
+its first token; the full-recompute greedy continuation of N tokens is the reference that
+every policy is teacher-forced along (the continuation fed behind the prompt of another
+request of the same policy). A ratio sweep, deviation analyses (CDFs, concentration,
+adjacent-layer correlation), cheaper check schedules and the loading controller's decision
+complete the run folder.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import matplotlib
 import ml_collections
 import numpy as np
@@ -22,33 +23,28 @@ from absl import logging
 from tqdm import tqdm
 
 from experiments import report
-from experiments.policies import POLICIES, PrefillResult, run_policy
+from experiments.policies import POLICIES, policy
 from experiments.workloads.rag import answer_matches, make_examples
 from kvjax import metrics
 from kvjax.blend import loading_controller, selection
-from kvjax.blend.blender import Blender, BlendPrompt
+from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt, PolicyRun
 from kvjax.blend.chunk_store import ChunkStore
-from kvjax.blend.engine_blend import submit_blended
-from kvjax.blend.managed_store import ManagedChunkStore
-from kvjax.blend.pipeline import pipelined_blend
-from kvjax.blend.reposition import reposition_layers
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.registry import load_model
-from kvjax.sampling import SamplingParams
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SELECTORS = ("cacheblend", "random", "oracle", "first_k")
 CDF_LAYERS = (1, 4, 10, 20)
 
 
 def _selection_config(config: ml_collections.ConfigDict, ratio: float) -> selection.SelectionConfig:
+    """The one selection config of the run (selector "cacheblend"; policies swap the selector)."""
     p = config.policy
     return selection.SelectionConfig(
         recompute_ratio=ratio, check_layers=tuple(p.check_layers), budgets=tuple(p.budgets),
-        deviation=p.deviation, row_bucket=p.row_bucket,
+        deviation=p.deviation, row_bucket=p.row_bucket, seed=config.seed,
     )
 
 
@@ -64,13 +60,7 @@ class Reference:
     v: np.ndarray
     true_dev: np.ndarray  # [L, T] deviation of the reused KV (full reuse)
     attn: np.ndarray  # [L, P, H*d]
-
-
-def _timed(fn) -> tuple[PrefillResult, float]:
-    t = time.perf_counter()
-    result = fn()
-    result.logits.block_until_ready()
-    return result, time.perf_counter() - t
+    ttft_s: float
 
 
 def _answer(tokenizer, tokens: list[int], stop_ids: tuple[int, ...]) -> tuple[str, int]:
@@ -79,88 +69,89 @@ def _answer(tokenizer, tokens: list[int], stop_ids: tuple[int, ...]) -> tuple[st
     return tokenizer.decode(tokens[:end]).strip(), end
 
 
-def _reference(blender: Blender, prompt: BlendPrompt, first_logits: jax.Array, config, stop_ids, tokenizer) -> Reference:
+def _reference(blender: Blender, prompt: BlendPrompt, sel_cfg, config, stop_ids, tokenizer) -> Reference:
     n = prompt.roles.num_tokens
-    padded = blender.padded(n)
-    k_full, v_full = (np.asarray(a) for a in blender.kv(n))
-    first = int(jnp.argmax(first_logits))
-    steps = config.eval.continuation_tokens - 1
-    rest, rest_logits = blender.decode(first, n, steps)
-    continuation = np.asarray([first, *rest], np.int32)
-    logits = np.concatenate([np.asarray(first_logits)[None], rest_logits])
+    full = blender.run(prompt, FULL_RECOMPUTE, max_new_tokens=config.eval.continuation_tokens)
+    continuation = np.asarray(full.tokens, np.int32)
     answer, answer_len = _answer(tokenizer, continuation.tolist()[: config.eval.max_answer_tokens], stop_ids)
-    k_re, v_re = blender.reused_kv(prompt, padded)
-    k_re = jnp.stack(reposition_layers(blender.cfg, tuple(k_re), jnp.asarray(blender.deltas(prompt, padded))))
-    true_dev = metrics.kv_deviation(np.asarray(k_re)[:, :n], np.asarray(v_re)[:, :n], k_full, v_full)
-    pad = ((0, 0), (0, padded - n), (0, 0), (0, 0))
-    _, trace = blender.blend(
-        prompt, selection.select_none(prompt.roles, 64), num_probes=config.eval.num_probes,
-        reused=(jnp.asarray(np.pad(k_full, pad)), jnp.asarray(np.pad(v_full, pad))),
-    )
-    return Reference(continuation, logits, answer_len, answer, k_full, v_full, true_dev, np.asarray(trace["attn"]))
+    probes = config.eval.num_probes
+    exact = blender.run(prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=probes).trace
+    reused = blender.run(prompt, dataclasses.replace(sel_cfg, selector="none"), num_probes=probes).trace
+    k_full, v_full = np.asarray(exact["k"])[:, :n], np.asarray(exact["v"])[:, :n]
+    true_dev = metrics.kv_deviation(np.asarray(reused["k"])[:, :n], np.asarray(reused["v"])[:, :n], k_full, v_full)
+    return Reference(continuation, full.logits, answer_len, answer, k_full, v_full, true_dev, np.asarray(exact["attn"]),
+                     full.ttft_s)
 
 
-def _evaluate(blender, prompt, result: PrefillResult, ref: Reference, config, stop_ids, tokenizer, gold: str, detailed: bool) -> dict:
-    """Quality of one policy's prefill against the reference (pool holds the policy's KV)."""
+def _evaluate(blender, prompt, name: str, pol, ref: Reference, config, stop_ids, tokenizer, gold: str, detailed: bool) -> dict:
+    """Quality of one policy against the reference: its logits along the reference continuation
+    (``pol``: a SelectionConfig; full recompute is evaluated as selector "all", which equals it)."""
     n = prompt.roles.num_tokens
-    forced = np.asarray(blender.teacher_force(n, ref.continuation))
-    logits = np.concatenate([np.asarray(result.logits)[None], forced])
+    probes = config.eval.num_probes if detailed else 1
+    forced = blender.run(prompt, pol, feed=ref.continuation[:-1].tolist(), num_probes=probes, scores=ref.true_dev)
+    logits = forced.logits
     kl = metrics.kl_divergence(ref.logits, logits)
     agree = metrics.top1_agreement(ref.logits, logits)
     div = metrics.first_divergence(ref.logits, logits)
     out = {"kl": float(kl.mean()), "kl_first": float(kl[0]), "top1": float(agree.mean()), "first_div": div,
-           "answer_agree": float(div >= ref.answer_len)}
+           "answer_agree": float(div >= ref.answer_len), "kl_per_token": kl}
     if div >= ref.answer_len:
         answer = ref.answer
     else:
         tokens = [*ref.continuation[:div].tolist(), int(np.argmax(logits[div]))]
         budget = config.eval.max_answer_tokens - len(tokens)
         if tokens[-1] not in stop_ids and budget > 0:
-            more, _ = blender.decode(tokens[-1], n + div, budget, stop_ids)
-            tokens += more
+            more = blender.run(prompt, pol, feed=tokens[:-1], max_new_tokens=budget + 1, scores=ref.true_dev).tokens
+            tokens += more[1:]
         answer, _ = _answer(tokenizer, tokens, stop_ids)
     out["gold"] = float(answer_matches(answer, gold))
     out["answer"] = answer
-    mask = result.recomputed_mask()[:, :n]
-    out["flop_fraction"] = metrics.recompute_flop_fraction(blender.cfg, mask, n, result.qkv_checks)
+    trace = forced.trace
+    mask = np.asarray(trace["recomputed"])[:, :n]
+    if name == "full_recompute":
+        mask = np.ones_like(mask)
+    out["flop_fraction"] = metrics.recompute_flop_fraction(blender.engine.model.config, mask, n, forced.qkv_checks)
     if detailed:
-        k, v = (np.asarray(a) for a in blender.kv(n))
+        k, v = np.asarray(trace["k"])[:, :n], np.asarray(trace["v"])[:, :n]
         dev = metrics.relative_kv_deviation(metrics.kv_deviation(k, v, ref.k, ref.v), ref.k, ref.v)
         selectable, _ = prompt.roles.masks(n)
         sel = mask & selectable[None]
         unsel = ~mask & selectable[None]
         out["dev_selected"] = np.asarray([dev[i][sel[i]].mean() if sel[i].any() else np.nan for i in range(len(dev))])
         out["dev_unselected"] = np.asarray([dev[i][unsel[i]].mean() if unsel[i].any() else np.nan for i in range(len(dev))])
-        if result.trace is not None:
-            valid = np.arange(config.eval.num_probes) < prompt.roles.num_forced
-            out["attn_dev"] = metrics.attention_deviation(np.asarray(result.trace["attn"]), ref.attn, valid)
+        valid = np.arange(config.eval.num_probes) < prompt.roles.num_forced
+        out["attn_dev"] = metrics.attention_deviation(np.asarray(trace["attn"]), ref.attn, valid)
         final = np.flatnonzero(mask[-1] & selectable)
-        oracle = selection.select_oracle(prompt.roles, config.policy.recompute_ratio, ref.true_dev, 1)
+        oracle = selection.select_oracle(prompt.roles, pol.recompute_ratio, ref.true_dev, 1)
         oracle_ids = np.setdiff1d(oracle.rows[oracle.rows_valid], np.arange(prompt.roles.suffix_start, n))
         out["recall"] = metrics.recall(final, oracle_ids)
     return out
 
 
-def _engine_blend(
-    store: ManagedChunkStore, prompt: BlendPrompt, sel_cfg, ref: Reference, standalone: jax.Array, n: int,
-    token_bucket: int, salt: str | None = None,
-) -> dict:
-    """CacheBlend end to end through the engine: chunks from the manager, fused KV in the
-    request's pages, ``n`` greedy tokens decoded by ``Engine.step`` (compared free-running).
-    ``salt`` overrides the blend scope (the warm-up uses its own, so the timed run matches nothing)."""
-    sampling = SamplingParams(max_new_tokens=n, ignore_eos=True, return_logits=True)
-    rep = submit_blended(store, prompt, sel_cfg, sampling, token_bucket=token_bucket, salt=salt)
-    out = store.engine.run()[0]
-    first = np.asarray(out.logits[0])[None]
-    tokens = np.asarray(out.output)
-    diverged = np.flatnonzero(tokens != ref.continuation[: len(tokens)])
-    return {
-        "ttft_s": rep.prefill_s, "kl_first": float(metrics.kl_divergence(ref.logits[:1], first)[0]),
-        "kl_vs_standalone": float(metrics.kl_divergence(np.asarray(standalone)[None], first)[0]),
-        "token_agree": float(np.mean(tokens == ref.continuation[: len(tokens)])),
-        "first_div": int(diverged[0]) if len(diverged) else len(tokens),
-        "chunk_hit": rep.chunk_hit, "tail_forced": rep.num_tail, "onboarded_pages": rep.onboarded_pages,
-    }
+def _controller(config, cfg, workdir: pathlib.Path, seconds_per_token_layer: float):
+    """The loading controller (measured host/disk, configured HBM/NVMe) and its per-tier table."""
+    bytes_per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    tiers = [
+        loading_controller.configured_tier("hbm", config.controller.hbm_gbps, 0.0, 3),
+        loading_controller.measure_host_tier(),
+        loading_controller.configured_tier("nvme", config.controller.nvme_gbps, config.controller.nvme_latency_ms, 1),
+        loading_controller.measure_disk_tier(workdir),
+    ]
+    controller = loading_controller.LoadingController(
+        tiers, seconds_per_token_layer, bytes_per_token_layer, config.controller.min_ratio
+    )
+    n = sum(config.workload.chunk_tokens) // 2 * sum(config.workload.num_chunks) // 2
+    rows = []
+    for t in tiers:
+        d = dataclasses.asdict(controller.decide(n, t.name))
+        rows.append({"tier": t.name, "GB_per_s": t.bandwidth / 1e9, "latency_ms": t.latency * 1e3, "measured": t.measured,
+                     **{k: d[k] for k in ("ratio", "break_even", "load_s", "recompute_s")}})
+    return controller, rows
+
+
+def _timed(blender: Blender, prompt: BlendPrompt, pol, ref: Reference | None) -> PolicyRun:
+    """One policy's prefill to its first token (TTFT), scores for the oracle from ``ref``."""
+    return blender.run(prompt, pol, scores=None if ref is None else ref.true_dev)
 
 
 def _ci_row(name: str, per_prompt: list[dict], ttfts: list[float], base_ttft: list[float], nboot: int, seed: int) -> dict:
@@ -264,76 +255,79 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         num_chunks=tuple(config.workload.num_chunks), chunk_tokens=tuple(config.workload.chunk_tokens),
     )
     prompts = [BlendPrompt(e.prefix, e.chunks, e.suffix) for e in examples]
+    bucket = config.runtime.token_bucket
     max_tokens = max(p.roles.num_tokens for p in prompts) + config.eval.continuation_tokens + config.eval.max_answer_tokens
-    store = ChunkStore(
-        model.params, cfg, variant=config.store.variant, prefix_tokens=examples[0].prefix, tier=config.store.tier,
-        device_capacity=config.store.device_capacity, disk_dir=workdir / "chunk_store" if config.store.tier == "disk" else None,
+    engine = Engine(
+        model, KvCacheConfig(tokens_per_block=config.runtime.page_size, max_tokens=config.store.cache_tokens,
+                             event_buffer_max_size=100_000),
+        SchedulerConfig(max_num_tokens=8192, prefill_chunk_size=8192), max_seq_len=max_tokens + bucket,
+        attn_impl=config.runtime.attn_impl,
     )
-    blender = Blender(
-        model.params, cfg, store, examples[0].prefix, max_tokens=max_tokens, page_size=config.runtime.page_size,
-        token_bucket=config.runtime.token_bucket, attn_impl=config.runtime.attn_impl,
-    )
-    ratio = config.policy.recompute_ratio
-    sel_cfg = _selection_config(config, ratio)
-    if config.store.backend not in ("standalone", "manager"):
-        raise ValueError(f"store.backend={config.store.backend!r} must be 'standalone' or 'manager'")
-    managed = None
-    if config.store.backend == "manager":
-        engine = Engine(
-            model, KvCacheConfig(tokens_per_block=config.runtime.page_size, max_tokens=config.store.manager_max_tokens,
-                                 event_buffer_max_size=100_000),
-            SchedulerConfig(), max_seq_len=max_tokens + config.runtime.token_bucket, attn_impl=config.runtime.attn_impl,
-        )
-        managed = ManagedChunkStore(engine, variant=config.store.variant, prefix_tokens=examples[0].prefix)
-    engine_rows: list[dict] = []
-    rng = np.random.default_rng(config.seed)
+    store = ChunkStore(engine, variant=config.store.variant, prefix_tokens=examples[0].prefix)
+    blender = Blender(store, token_bucket=bucket)
     policies = [p for p in POLICIES if p in config.policies]
+    n_mean = float(np.mean([p.roles.num_tokens for p in prompts]))
+
+    for chunk in prompts[0].chunks:
+        store.put(chunk)
+    for _ in range(2):  # compile the reference path, then time it for the controller's per-token cost
+        t_profile = blender.run(prompts[0], FULL_RECOMPUTE).ttft_s
+    controller, tier_rows = _controller(config, cfg, workdir, t_profile / (prompts[0].roles.num_tokens * cfg.num_layers))
+    requested = str(config.policy.recompute_ratio)
+    if requested == "auto":
+        ratio = controller.decide(int(n_mean), config.store.tier).ratio
+    else:
+        try:
+            ratio = float(requested)
+        except ValueError:
+            raise ValueError(f"policy.recompute_ratio={requested!r} must be a number in [0, 1] or 'auto'") from None
+    sel_cfg = _selection_config(config, ratio)
     sweep = [(name, r) for name in config.sweep.policies for r in config.sweep.ratios]
+    schedules = [(tuple(c), tuple(b)) for c, b in config.schedules]
 
     per_policy: dict[str, list[dict]] = {p: [] for p in policies}
     ttft: dict[str, list[float]] = {p: [] for p in policies}
+    phases: list[dict] = []
     sweep_results: dict[tuple[str, float], list[dict]] = {key: [] for key in sweep}
     sweep_ttft: dict[tuple[str, float], list[float]] = {key: [] for key in sweep}
+    sched_results: dict[tuple, list[dict]] = {key: [] for key in schedules}
+    sched_ttft: dict[tuple, list[float]] = {key: [] for key in schedules}
     devs, tasks = [], []
     bar = tqdm(total=len(prompts), desc="prompts", unit="prompt")
     for i, (example, prompt) in enumerate(zip(examples, prompts)):
-        store.clear()
         for chunk in prompt.chunks:
             store.put(chunk)
-        run = lambda name, r, oracle=None: run_policy(  # noqa: E731
-            name, blender, prompt, ratio=r, config=sel_cfg, rng=rng, oracle_deviation=oracle,
-            num_probes=config.eval.num_probes,
-        )
+        ref = _reference(blender, prompt, sel_cfg, config, stop_ids, tok)
         if i == 0:  # compile every prefill shape before timing anything
-            warm = [(p, ratio) for p in policies] + sweep
-            for name, r in tqdm(warm, desc="compile", leave=False):
-                run(name, r, np.ones((cfg.num_layers, prompt.roles.num_tokens))).logits.block_until_ready()
-                blender.teacher_force(prompt.roles.num_tokens, np.zeros(config.eval.continuation_tokens, np.int32))
-        full_result, t_full = _timed(lambda: run("full_recompute", ratio))
-        ref = _reference(blender, prompt, full_result.logits, config, stop_ids, tok)
+            warm = [policy(p, sel_cfg) for p in policies]
+            warm += [policy(name, dataclasses.replace(sel_cfg, recompute_ratio=r)) for name, r in sweep]
+            warm += [dataclasses.replace(sel_cfg, check_layers=c, budgets=b) for c, b in schedules]
+            for pol in tqdm(warm, desc="compile", leave=False):
+                _timed(blender, prompt, pol, ref)
+            ref = _reference(blender, prompt, sel_cfg, config, stop_ids, tok)
         selectable, _ = prompt.roles.masks(prompt.roles.num_tokens)
         devs.append(metrics.relative_kv_deviation(ref.true_dev, ref.k, ref.v)[:, selectable])
         tasks.append(example.task)
         for name in policies:
+            pol = policy(name, sel_cfg)
             if name == "full_recompute":
-                result, t = full_result, t_full
+                ttft[name].append(ref.ttft_s)
+                pol = dataclasses.replace(sel_cfg, selector="all")
             else:
-                result, t = _timed(lambda: run(name, ratio, ref.true_dev))
-            ttft[name].append(t)
-            per_policy[name].append(_evaluate(blender, prompt, result, ref, config, stop_ids, tok, example.answer, True))
-        if managed is not None:
-            n_engine, bucket = config.eval.continuation_tokens, config.runtime.token_bucket
-            for chunk in prompt.chunks:  # offline precompute, untimed like the standalone store
-                managed.put(chunk)
-            if i == 0:  # compile the engine path before timing it
-                _engine_blend(managed, prompt, sel_cfg, ref, full_result.logits, n_engine, bucket, salt="warm-up")
-            standalone = run("cacheblend", ratio).logits
-            engine_rows.append(_engine_blend(managed, prompt, sel_cfg, ref, standalone, n_engine, bucket))
+                run_ = _timed(blender, prompt, pol, ref)
+                ttft[name].append(run_.ttft_s)
+                if name == "cacheblend":
+                    phases.append({"load_s": run_.report.load_s, **{f"{k}_s": v for k, v in run_.report.phases.items()}})
+            per_policy[name].append(_evaluate(blender, prompt, name, pol, ref, config, stop_ids, tok, example.answer, True))
         if i < config.sweep.num_prompts:
             for name, r in tqdm(sweep, desc="sweep", leave=False):
-                result, t = _timed(lambda: run(name, r, ref.true_dev))
-                sweep_ttft[(name, r)].append(t)
-                sweep_results[(name, r)].append(_evaluate(blender, prompt, result, ref, config, stop_ids, tok, example.answer, False))
+                pol = policy(name, dataclasses.replace(sel_cfg, recompute_ratio=r))
+                sweep_ttft[(name, r)].append(_timed(blender, prompt, pol, ref).ttft_s)
+                sweep_results[(name, r)].append(_evaluate(blender, prompt, name, pol, ref, config, stop_ids, tok, example.answer, False))
+        for key in schedules:
+            pol = dataclasses.replace(sel_cfg, check_layers=key[0], budgets=key[1])
+            sched_ttft[key].append(_timed(blender, prompt, pol, ref).ttft_s)
+            sched_results[key].append(_evaluate(blender, prompt, "cacheblend", pol, ref, config, stop_ids, tok, example.answer, False))
         bar.update()
         bar.set_postfix(kl_cacheblend=np.mean([p["kl"] for p in per_policy.get("cacheblend", [])] or [np.nan]))
     bar.close()
@@ -374,60 +368,45 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         }})
     dev_stats = _plots(workdir, devs, per_policy, sweep_rows, cfg)
 
-    # Loading controller (C6): measured host/disk, configured HBM/NVMe; per-token cost from full recompute.
-    n_mean = float(np.mean([p.roles.num_tokens for p in prompts]))
-    bytes_per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    tiers = [
-        loading_controller.configured_tier("hbm", config.controller.hbm_gbps, 0.0, 3),
-        loading_controller.measure_host_tier(),
-        loading_controller.configured_tier("nvme", config.controller.nvme_gbps, config.controller.nvme_latency_ms, 1),
-        loading_controller.measure_disk_tier(workdir),
-    ]
-    controller = loading_controller.LoadingController(
-        tiers, float(np.median(base)) / (n_mean * cfg.num_layers), bytes_per_token_layer, config.controller.min_ratio
-    )
-    decisions = {t.name: dataclasses.asdict(controller.decide(int(n_mean), t.name)) for t in tiers}
+    flop_bound = 1.0 / float(np.mean([p["flop_fraction"] for p in per_policy["cacheblend"]])) if "cacheblend" in per_policy else None
+    time_fraction = float(np.median(np.asarray(ttft["cacheblend"]) / np.asarray(base))) if "cacheblend" in ttft else None
+    phase_row = {k: float(np.median([p[k] for p in phases])) for k in phases[0]} if phases else {}
+    schedule_rows = [{
+        "check_layers": str(c), "budgets": str(b), "kl": float(np.mean([p["kl"] for p in sched_results[(c, b)]])),
+        "flop_fraction": float(np.mean([p["flop_fraction"] for p in sched_results[(c, b)]])),
+        "ttft_s": float(np.median(sched_ttft[(c, b)])),
+        "speedup": float(np.median(np.asarray(base) / np.asarray(sched_ttft[(c, b)]))),
+    } for c, b in schedules]
+    if schedule_rows:
+        report.write_csv(workdir / "schedules.csv", schedule_rows)
+    events = engine.manager.get_kv_cache_events()
+    engine_state = {
+        "store": dataclasses.asdict(store.stats),
+        "events": {kind: sum(e.kind == kind for e in events) for kind in ("stored", "removed", "updated")},
+        "manager": {k: getattr(engine.manager.stats, k) for k in ("num_requests", "reused_tokens", "stored_blocks", "onboarded_pages")},
+    }
     chosen = dataclasses.asdict(controller.decide(int(n_mean)))
-    tier_rows = [{"tier": t.name, "GB_per_s": t.bandwidth / 1e9, "latency_ms": t.latency * 1e3, "measured": t.measured,
-                  **{k: decisions[t.name][k] for k in ("ratio", "break_even", "load_s", "recompute_s")}} for t in tiers]
-
-    pipeline = None
-    if config.pipeline.enabled:
-        pipe_store = ChunkStore(
-            model.params, cfg, variant=config.store.variant, prefix_tokens=examples[0].prefix, tier=config.pipeline.tier,
-            disk_dir=workdir / "pipeline_store" if config.pipeline.tier == "disk" else None,
-        )
-        blender.store = pipe_store
-        prompt = prompts[0]
-        for chunk in prompt.chunks:
-            pipe_store.put(chunk)
-        sel = selection.select_cacheblend(prompt.roles, sel_cfg, blender.padded(prompt.roles.num_tokens), cfg.num_layers)
-        pipelined_blend(blender, prompt, sel)  # compile
-        _, rep = pipelined_blend(blender, prompt, sel)
-        pipeline = dataclasses.asdict(rep)
-        pipe_store.clear()
-        blender.store = store
-
-    engine_path = None
-    if managed is not None:
-        report.write_csv(workdir / "engine_path.csv", engine_rows)
-        events = managed.engine.manager.get_kv_cache_events()
-        engine_path = {
-            **{k: float(np.mean([r[k] for r in engine_rows])) for k in engine_rows[0]},
-            "store": dataclasses.asdict(managed.stats),
-            "events": {kind: sum(e.kind == kind for e in events) for kind in ("stored", "removed", "updated")},
-            "manager": {k: getattr(managed.engine.manager.stats, k) for k in ("num_requests", "reused_tokens", "stored_blocks", "onboarded_pages")},
-        }
     elapsed = time.perf_counter() - started
     table = report.markdown_table(rows, columns)
     sections = [
         ("Setup", f"model `{config.model}`, {len(prompts)} prompts ({', '.join(dict.fromkeys(tasks))}), "
                   f"chunks {tuple(config.workload.num_chunks)} x {tuple(config.workload.chunk_tokens)} tokens, "
-                  f"mean prompt {n_mean:.0f} tokens, store variant `{config.store.variant}`, tier `{config.store.tier}`, "
-                  f"recompute ratio {ratio}, checks {tuple(config.policy.check_layers)} budgets {tuple(config.policy.budgets)}, "
+                  f"mean prompt {n_mean:.0f} tokens, store variant `{config.store.variant}` (chunks as blocks of the engine's "
+                  f"cache manager), recompute ratio run {ratio:.4g} (requested {requested!r}), checks "
+                  f"{tuple(config.policy.check_layers)} budgets {tuple(config.policy.budgets)}, "
                   f"deviation `{config.policy.deviation}`, N={config.eval.continuation_tokens}, backend {jax.default_backend()}, "
-                  f"run time {elapsed:.0f} s.\n"),
+                  f"every policy an engine request, run time {elapsed:.0f} s.\n"),
         ("Policies (mean over prompts, bootstrap 95% CI over prompts; TTFT median)", table),
+        ("CacheBlend speed vs its FLOP bound", report.markdown_table([{
+            "speedup": rows[[r["policy"] for r in rows].index("cacheblend")]["speedup"] if "cacheblend" in policies else None,
+            "flop_bound": flop_bound, "time_fraction": time_fraction,
+            "flop_fraction": None if flop_bound is None else 1.0 / flop_bound,
+            "full_recompute_ttft_s": float(np.median(base)), **phase_row,
+        }]) + "\nPhases of the CacheBlend prefill (median seconds): load = chunk lookups and the KV gather; reposition = "
+              "re-rotating the reused keys of all layers; check_layers = layers 0 .. last check layer (all tokens, then "
+              "narrowing); row_layers = the remaining layers over the selected rows; logits_write = logits and writing "
+              "the fused KV of all layers into the request's pages. TTFT also holds scheduling and sampling.\n"),
+        ("Cheaper check schedules (same ratio)", report.markdown_table(schedule_rows) if schedule_rows else "(none)\n"),
         ("Paired differences vs CacheBlend (policy minus cacheblend, bootstrap 95% CI)", report.markdown_table(paired)),
         ("KL by task", report.markdown_table(by_task)),
         ("Quality vs recompute ratio", report.markdown_table(sweep_rows) if sweep_rows else "(skipped)\n"),
@@ -435,10 +414,8 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                                 f"{np.mean(dev_stats['top15_share_by_layer']):.3f}; adjacent-layer Spearman, mean: "
                                 f"{np.mean(dev_stats['adjacent_spearman_by_layer']):.3f}.\n"),
         ("Loading controller", report.markdown_table(tier_rows) + f"\nchosen at the min ratio: {chosen}\n"),
-        ("Layer-wise pipeline", (report.markdown_table([pipeline]) if pipeline else "(disabled)\n")),
-        ("CacheBlend through the engine (store.backend=manager)", "(store.backend=standalone)\n" if engine_path is None else
-         report.markdown_table([{k: v for k, v in engine_path.items() if not isinstance(v, dict)}])
-         + f"\nchunk store {engine_path['store']}; events {engine_path['events']}; manager {engine_path['manager']}\n"),
+        ("Chunk store and manager", f"chunk store {engine_state['store']}; events {engine_state['events']}; "
+                                    f"manager {engine_state['manager']}\n"),
         ("Figures", "kv_deviation_cdf.png, deviation_concentration.png, adjacent_layer_correlation.png, "
                     "quality_vs_ratio.png, kv_deviation_by_layer.png\n"),
     ]
@@ -447,6 +424,8 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     return {
         "policies": rows, "paired_vs_cacheblend": paired, "by_task": by_task, "sweep": sweep_rows,
         "per_prompt": {name: [{k: v for k, v in p.items() if not isinstance(v, np.ndarray)} for p in per_policy[name]] for name in policies},
-        "deviation": dev_stats, "controller": {"tiers": tier_rows, "chosen": chosen}, "pipeline": pipeline,
-        "engine_path": engine_path, "run_seconds": elapsed,
+        "kl_per_prompt": {name: [p["kl"] for p in per_policy[name]] for name in policies},
+        "deviation": dev_stats, "controller": {"tiers": tier_rows, "chosen": chosen}, "ratio": ratio,
+        "speed": {"flop_bound": flop_bound, "time_fraction": time_fraction, **phase_row}, "schedules": schedule_rows,
+        "engine": engine_state, "run_seconds": elapsed,
     }

@@ -11,6 +11,11 @@ Each ``step()``:
 4. sampling runs on device; the scheduler commits the computed tokens to the manager (full
    blocks enter the radix tree) and finishes requests on EOS or length.
 
+A request submitted with ``chunks`` (``kvjax.blend.engine_blend.ChunkReuse``) is a blended
+request: its prompt reuses stored chunk KV (CacheBlend), scheduled like any other and charged
+the rows it recomputes; its whole prompt runs in one ``blended_prefill`` in step 3, beside
+the other prefills and the decode batch.
+
 When a step cannot get pages, the scheduler preempts the newest running request (its
 blocks stay cached) and re-admits it later; no page another request owns is ever written.
 
@@ -34,6 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +54,9 @@ from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerReques
 from kvjax.model.registry import Model
 from kvjax.model.transformer import forward
 from kvjax.sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from kvjax.blend.engine_blend import BlendReport, ChunkReuse
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +117,18 @@ class RequestRecord:
     Attributes:
       logits: each generated position's logits [V] when ``sampling.return_logits``.
       submit_time, first_token_time, finish_time: ``time.perf_counter()`` seconds.
+      chunks: the stored chunks a blended request reuses (None = ordinary request).
+      prompt_logits: a blended request's last prompt positions' logits [chunks.num_prompt_logits, V].
+      blend_trace, blend_report: a blended request's fusor trace and reuse report.
     """
 
     sched: SchedulerRequest
     sampling: SamplingParams
     submit_time: float
+    chunks: ChunkReuse | None = None
+    prompt_logits: np.ndarray | None = None
+    blend_trace: dict | None = None
+    blend_report: BlendReport | None = None
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -134,6 +150,8 @@ class RequestOutput:
       latency_s: seconds from submission to the last token.
       logits: per generated token, [V] float32 (only with ``return_logits``).
       error: the exception that finished the request, as "Type: message".
+      prompt_logits: a blended request's last prompt positions' logits [R, V] (else None).
+      blend_report: a blended request's reuse report (else None).
     """
 
     request_id: str
@@ -145,6 +163,8 @@ class RequestOutput:
     latency_s: float | None
     logits: list[np.ndarray]
     error: str | None = None
+    prompt_logits: np.ndarray | None = None
+    blend_report: BlendReport | None = None
 
 
 class Engine:
@@ -243,24 +263,39 @@ class Engine:
         lora_id: int | None = None,
         mm_items: Sequence[MultimodalItem] = (),
         request_id: str | None = None,
+        chunks: ChunkReuse | None = None,
     ) -> str:
         """Queues a request; returns its id.
 
         Every argument is validated before any state changes: a bad one raises ``ValueError``
         (``ConfigError`` for ``retention``) naming it, and the engine goes on as before.
+
+        Args:
+          chunks: makes it a blended request: these prompt spans reuse the chunk KV of
+            ``chunks.store`` (CacheBlend, ``kvjax.blend.engine_blend``). Its blocks live in
+            the blend scope ``chunks.salt``, so ``cache_salt`` must be None.
         """
         vocab = self.model.config.vocab_size
         prompt = check_token_ids(prompt_token_ids, vocab)
+        if chunks is not None:
+            if cache_salt is not None or lora_id is not None or mm_items:
+                raise ValueError("a request with chunks takes no cache_salt, lora_id or mm_items (its scope is chunks.salt)")
+            chunks.check(self, prompt)
+            cache_salt = chunks.salt
         sched = self._scheduler_request(prompt, sampling, request_id, retention, cache_salt)
         if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, (int, np.integer)) or lora_id < 0):
             raise ValueError(f"lora_id={lora_id!r} must be None or an int >= 0")
         if not all(isinstance(item, MultimodalItem) for item in mm_items):
             raise ValueError(f"mm_items must be a sequence of MultimodalItem, got {list(mm_items)[:3]!r}")
         sched.lora_id, sched.mm_items = lora_id, tuple(mm_items)
+        if chunks is not None:
+            sched.num_prefill_rows = chunks.num_rows(len(prompt), self.model.config.num_layers)
         with self.lock:
             self._release_id(sched.request_id)
             self.scheduler.add(sched)
-            self.requests[sched.request_id] = RequestRecord(sched=sched, sampling=sampling, submit_time=time.perf_counter())
+            self.requests[sched.request_id] = RequestRecord(
+                sched=sched, sampling=sampling, submit_time=time.perf_counter(), chunks=chunks
+            )
         return sched.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -284,9 +319,8 @@ class Engine:
         request_id: str | None,
         retention: KvCacheRetentionConfig | dict | None,
         cache_salt: str | None,
-        num_reused_tokens: int = 0,
     ) -> SchedulerRequest:
-        """A request's scheduler entry from validated arguments (``submit``, ``adopt_prefilled``)."""
+        """A request's scheduler entry from validated arguments."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         vocab = self.model.config.vocab_size
@@ -300,7 +334,7 @@ class Engine:
         return SchedulerRequest(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=prompt, max_new_tokens=sampling.max_new_tokens, eos_token_id=stop,
-            retention=as_retention_config(retention), cache_salt=cache_salt, num_reused_tokens=num_reused_tokens,
+            retention=as_retention_config(retention), cache_salt=cache_salt,
         )
 
     def _release_id(self, request_id: str) -> None:
@@ -325,44 +359,6 @@ class Engine:
         record.finish_reason, record.error = reason, error
         self._finished[request_id] = None
         self._forget_oldest_finished()
-
-    def adopt_prefilled(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        logits: jax.Array,
-        sampling: SamplingParams = SamplingParams(),
-        *,
-        retention: KvCacheRetentionConfig | dict | None = None,
-        cache_salt: str | None = None,
-        num_reused_tokens: int = 0,
-        submit_time: float | None = None,
-    ) -> str:
-        """Adds a request whose prompt KV is already in its pages (registered with the manager,
-        every prompt token committed): samples its first token from ``logits`` [V] and hands
-        it to the scheduler, which decodes it with the other requests (``Scheduler.adopt``).
-
-        Args:
-          submit_time: ``time.perf_counter()`` when its prefill began (TTFT), default now.
-        """
-        prompt = check_token_ids(prompt_token_ids, self.model.config.vocab_size)
-        sched = self._scheduler_request(prompt, sampling, request_id, retention, cache_salt, num_reused_tokens)
-        with self.lock:
-            self._release_id(request_id)
-            record = RequestRecord(sched=sched, sampling=sampling, submit_time=submit_time or time.perf_counter())
-            self.requests[request_id] = record
-            work = ScheduledRequest(request_id, (), len(sched.prompt_token_ids), True, True)
-            try:
-                token = self._sample([work], logits[None])[request_id]
-                sched.output_token_ids.append(token)
-                finished = self.scheduler.adopt(sched)
-            except Exception:
-                del self.requests[request_id]
-                raise
-            record.first_token_time = time.perf_counter()
-            if finished:
-                self._finish(request_id)
-            return request_id
 
     def execute_page_ops(self) -> None:
         """Runs the manager's queued page operations (offload, onboard, copy) on the pools now;
@@ -396,7 +392,8 @@ class Engine:
             prefills = [w for w in plan.scheduled if w.is_prefill]
             decodes = [w for w in plan.scheduled if not w.is_prefill]
             for work in prefills:
-                sampled.update(self._run_isolated([work], "prefill", failed))
+                phase = "prefill" if self.requests[work.request_id].chunks is None else "blend"
+                sampled.update(self._run_isolated([work], phase, failed))
             if decodes:
                 sampled.update(self._run_isolated(decodes, "decode", failed))
             for rid, message in failed.items():
@@ -414,7 +411,7 @@ class Engine:
     def _run_isolated(self, works: Sequence[ScheduledRequest], phase: str, failed: dict[str, str]) -> dict[str, int]:
         """``_run`` that confines a failure to the request that caused it (into ``failed``)."""
         try:
-            return self._run(works, phase)
+            return self._run_blend(works[0]) if phase == "blend" else self._run(works, phase)
         except Exception as e:
             if len(works) > 1:
                 sampled: dict[str, int] = {}
@@ -544,6 +541,22 @@ class Engine:
         self.timings[f"{phase}_steps"] += 1
         return sampled
 
+    def _run_blend(self, work: ScheduledRequest) -> dict[str, int]:
+        """A blended request's whole prompt (``work.start`` tokens cached) through
+        ``blended_prefill``; samples its first token."""
+        from kvjax.blend.engine_blend import blended_prefill
+
+        start = time.perf_counter()
+        record = self.requests[work.request_id]
+        prompt = record.sched.prompt_token_ids
+        logits, trace, report = blended_prefill(self, work.request_id, prompt, work.start, record.chunks)
+        record.prompt_logits, record.blend_trace, record.blend_report = np.asarray(logits), trace, report
+        sampled = self._sample([work], logits[-1:])
+        self.timings["blend_s"] += time.perf_counter() - start
+        self.timings["blend_tokens"] += len(work.token_ids)
+        self.timings["blend_steps"] += 1
+        return sampled
+
     def _sample(self, works: Sequence[ScheduledRequest], logits: jax.Array) -> dict[str, int]:
         s = logits.shape[0]
         temperature = np.zeros(s, np.float32)
@@ -577,5 +590,5 @@ def _to_output(request_id: str, r: RequestRecord) -> RequestOutput:
         num_reused_tokens=r.sched.num_reused_tokens,
         ttft_s=None if r.first_token_time is None else r.first_token_time - r.submit_time,
         latency_s=None if r.finish_time is None else r.finish_time - r.submit_time,
-        logits=list(r.logits), error=r.error,
+        logits=list(r.logits), error=r.error, prompt_logits=r.prompt_logits, blend_report=r.blend_report,
     )

@@ -129,41 +129,36 @@ def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens
 
 
 def blend_case(name: str, overrides: dict) -> dict:
-    """A CacheBlend prefill (ratio 0.3, gradual filtering) and greedy decode, one device vs the mesh."""
+    """A CacheBlend prefill (ratio 0.3, gradual filtering) and greedy decode through the engine,
+    one device vs the mesh (sharded weights and page pool)."""
     import dataclasses
 
+    import jax
+
     from kvjax import distributed
-    from kvjax.blend import selection
-    from kvjax.blend.blender import Blender, BlendPrompt
-    from kvjax.blend.chunk_store import ChunkStore
+    from kvjax.blend.blender import FULL_RECOMPUTE, BlendPrompt
+    from kvjax.blend.selection import SelectionConfig
+    from kvjax.testing.blend import make_blender
     from kvjax.testing.tiny import tiny_model
 
     cfg, params = tiny_model(2, **{**overrides, "num_layers": 4})
     rng = np.random.default_rng(1)
     draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))  # noqa: E731
     prompt = BlendPrompt(prefix=draw(7), chunks=(draw(40), draw(33), draw(50)), suffix=draw(9))
-    store = ChunkStore(params, cfg, variant="system", prefix_tokens=prompt.prefix, device_capacity=1024, page_size=16, token_bucket=32)
-    for chunk in prompt.chunks:
-        store.put(chunk)
-    config = selection.SelectionConfig(recompute_ratio=0.3, check_layers=(1, 2), budgets=(2.0, 1.0), row_bucket=16)
+    config = SelectionConfig(recompute_ratio=0.3, check_layers=(1, 2), budgets=(2.0, 1.0), row_bucket=16)
 
-    def run(blender: Blender) -> dict:
-        roles = prompt.roles
-        sel = selection.select_cacheblend(roles, config, blender.padded(roles.num_tokens), cfg.num_layers)
-        logits, _ = blender.blend(prompt, sel)
-        tokens, decode_logits = blender.decode(int(np.argmax(logits)), roles.num_tokens, 4)
-        full = blender.full_recompute(prompt)
-        return {"blend": np.asarray(logits), "decode": decode_logits, "tokens": tokens, "full": np.asarray(full)}
+    def run(blender) -> dict:
+        blend = blender.run(prompt, config, max_new_tokens=5)
+        full = blender.run(prompt, FULL_RECOMPUTE)
+        return {"blend": blend.logits[0], "decode": blend.logits[1:], "tokens": blend.tokens, "full": full.logits[0]}
 
-    kwargs = dict(max_tokens=256, page_size=16, token_bucket=64, attn_impl="reference")
-    ref = run(Blender(params, cfg, store, prompt.prefix, **kwargs))
+    ref = run(make_blender(cfg, params, prompt, max_tokens=256))
     mesh = distributed.make_mesh(cfg.num_kv_heads)
-    blender = Blender(params, cfg, store, prompt.prefix, **kwargs)
-    multiple = distributed.pages_multiple(mesh)
-    num_pages = -(-blender.layout.num_pages[0] // multiple) * multiple
-    blender.layout = dataclasses.replace(blender.layout, num_pages=(num_pages,) * blender.layout.num_groups)
-    blender.params = distributed.shard_params(params, cfg, mesh)
-    blender.pool = distributed.init_sharded_pool(blender.layout, mesh)
+    blender = make_blender(cfg, params, prompt, max_tokens=256)
+    engine = blender.engine
+    assert engine.layout.num_pages[0] % distributed.pages_multiple(mesh) == 0
+    engine.model = dataclasses.replace(engine.model, params=distributed.shard_params(params, cfg, mesh))
+    engine.pool = jax.tree.map(lambda a: jax.device_put(a, distributed.pool_sharding(mesh)), engine.pool)  # chunks kept
     got = run(blender)
     return {
         "mesh": [mesh.shape["pages"], mesh.shape["kv"]],
@@ -172,7 +167,7 @@ def blend_case(name: str, overrides: dict) -> dict:
         "full_rel": _rel(got["full"], ref["full"]),
         "same_tokens": got["tokens"] == ref["tokens"],
         "blend_vs_full": _rel(ref["blend"], ref["full"]),
-        "pool_sharded": all(a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in blender.pool.k),
+        "pool_sharded": all(a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in engine.pool.k),
     }
 
 

@@ -1,12 +1,11 @@
-"""CacheBlend: reuse of non-prefix chunk KV with selective recompute (SPEC C1-C7)."""
+"""CacheBlend: reuse of non-prefix chunk KV with selective recompute, as engine requests."""
 
-from kvjax.blend.blender import Blender, BlendPrompt
-from kvjax.blend.chunk_store import ChunkIntegrityError, ChunkStore, StoredChunk
-from kvjax.blend.engine_blend import BlendReport, blend_salt, submit_blended
+from kvjax.blend.blender import Blender, BlendPrompt, PolicyRun
+from kvjax.blend.chunk_store import ChunkStore
+from kvjax.blend.engine_blend import BlendReport, ChunkReuse, blended_prefill
 from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
-from kvjax.blend.managed_store import ManagedChunkStore
 from kvjax.blend.reposition import reposition_keys, reposition_layers
-from kvjax.blend.selection import Roles, Selection, SelectionConfig
+from kvjax.blend.selection import Roles, Selection, SelectionConfig, plan
 
 __all__ = [
     "BlendInputs",
@@ -14,16 +13,15 @@ __all__ = [
     "BlendPrompt",
     "BlendReport",
     "Blender",
-    "ChunkIntegrityError",
+    "ChunkReuse",
     "ChunkStore",
-    "ManagedChunkStore",
+    "PolicyRun",
     "Roles",
     "Selection",
     "SelectionConfig",
-    "StoredChunk",
     "blend_prefill",
-    "blend_salt",
+    "blended_prefill",
+    "plan",
     "reposition_keys",
     "reposition_layers",
-    "submit_blended",
 ]

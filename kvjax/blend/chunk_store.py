@@ -1,336 +1,262 @@
-"""Precomputed KV of text chunks, keyed by BLAKE3, in a device, host or disk tier (SPEC C1).
+"""Chunk KV stored as blocks in the engine's cache manager: the one chunk store.
 
-A chunk's KV is computed alone, once, in one of three *start variants*:
+Storing a chunk prefills it through the engine as an ordinary request under a per-variant
+*chunk scope*: the cache salt ``InternalScope("chunk:<variant>")`` gives its blocks their own
+root, which no user ``cache_salt`` string can produce (``kvjax.manager.hashing``), so the
+same radix tree, priority-LRU eviction, retention priorities, host offload, events and
+snapshots serve chunks and prefixes alike, while no chunk block can ever match a request
+prefix (different root) and the three variants never match each other:
 
-  "pos0"    the chunk alone from position 0;
-  "bos"     behind the BOS token (the chunk starts at position 1);
-  "system"  behind the shared system prompt (starts at ``len(prefix)``).
+  "pos0"    stored request = chunk            (the chunk starts at position 0)
+  "bos"     stored request = BOS + chunk      (the chunk KV is computed behind BOS)
+  "system"  stored request = system + chunk   (behind the shared system prompt)
 
-The key is a manager block key (``kvjax.manager.hashing``) chained from a chunk root whose
-salt (an ``InternalScope``, which no user ``cache_salt`` can produce) names the variant and,
-for "system", the prefix tokens; so the same text stored in two variants gets two keys, and
-no chunk key can collide with a request prefix key.
+The stored request is padded with ``PAD`` tokens up to a block boundary, so a chunk's last
+partial block is a full block of the tree too and every chunk token has stored KV (the pads
+come after the chunk, so causal attention leaves the chunk's KV unchanged).
 
-Tiers:
-  device  one arena ``[L, capacity, K, d]`` for K and one for V with a bump allocator of token
-          slots; assembling a prompt's reused KV is one jitted gather (no per-prompt recompile).
-  host    numpy arrays per chunk; assembly concatenates on the host, then one device transfer.
-  disk    one ``.npy`` file per chunk for K and one for V under ``disk_dir``, memory-mapped
-          when read (a layer can be read alone, which the layer-wise pipeline uses), and a
-          ``.b3`` file of per-layer BLAKE3 digests bound to the chunk key (``layer_digest``),
-          checked on every read: a damaged file, or another chunk's, raises
-          ``ChunkIntegrityError`` naming the chunk, which is dropped (``put`` recomputes it).
+Looking chunks up (``acquire``) registers one short-lived lookup request per chunk with the
+same tokens under the same salt: the manager matches the chunk's cached blocks, takes
+references on them and queues onboards for blocks offloaded to the host tier, which the
+engine executes at once. ``gather_slots`` then reads the KV of every prompt token from the
+engine's pages in one jitted gather, and ``release`` drops the references (the blocks stay
+cached, LRU-ordered by this use). A lookup appends one sentinel token so the last block
+matches too (the manager always leaves the last prompt token to compute).
 
-Shapes: L = layers, n = chunk tokens, K = kv heads, d = head_dim, T = padded prompt tokens.
+Shapes: L = layers, T = padded prompt tokens, K = kv heads, d = head_dim.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import pathlib
+import itertools
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import blake3
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.blend.fusor import gather_kv
-from kvjax.cache.layout import CacheLayout
-from kvjax.cache.pool import init_pool
-from kvjax.manager.hashing import InternalScope, block_key, check_token_ids, root_key
-from kvjax.model import transformer
-from kvjax.model.config import ModelConfig
+from kvjax.cache import NULL_PAGE, PagePool
+from kvjax.config import KvCacheRetentionConfig
+from kvjax.manager.hashing import InternalScope, check_token_ids
+from kvjax.sampling import SamplingParams
 
-Tier = Literal["device", "host", "disk"]
-TIERS = ("device", "host", "disk")
+if TYPE_CHECKING:
+    from kvjax.engine import Engine
+
 Variant = Literal["pos0", "bos", "system"]
 VARIANTS = ("pos0", "bos", "system")
-_DIGEST_DOMAIN = b"kvjax-chunk-kv\x00"
-
-
-class ChunkIntegrityError(ValueError):
-    """A disk chunk's files are missing, unreadable, or do not match their digests."""
-
-
-def layer_digest(key: bytes, layer: int, k: np.ndarray, v: np.ndarray) -> bytes:
-    """BLAKE3 of one layer's stored K and V ([n, K, d] each), bound to the chunk key (hence to
-    its tokens, variant and prefix), the layer index, and the arrays' shape and dtype."""
-    hasher = blake3.blake3(_DIGEST_DOMAIN + key)
-    hasher.update(f"{layer}|{k.shape}|{k.dtype.str}|{v.shape}|{v.dtype.str}".encode())
-    hasher.update(np.ascontiguousarray(k).reshape(-1).view(np.uint8))
-    hasher.update(np.ascontiguousarray(v).reshape(-1).view(np.uint8))
-    return hasher.digest()
+SENTINEL = 0
+"""Token appended to a lookup so its last block is matchable (never stored)."""
+PAD = 0
+"""Token filling a stored chunk's last block (after the chunk: its KV is not used)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StoredChunk:
-    """Where a chunk's KV lives.
+class Lease:
+    """Blocks held by a lookup, until ``release``.
 
     Attributes:
-      key: 32-byte BLAKE3 block key.
-      num_tokens: chunk tokens n.
-      stored_start: position of the chunk's first token when its KV was computed.
-      tier: "device", "host" or "disk".
-      slot: first arena slot (device tier), else -1.
+      request_ids: one lookup request per looked-up token sequence.
+      tables: per lookup, its device page ids (one per block, group 0).
+      covered: per lookup, leading tokens of the looked-up sequence with stored KV.
     """
 
-    key: bytes
-    num_tokens: int
-    stored_start: int
-    tier: str
-    slot: int = -1
+    request_ids: tuple[str, ...]
+    tables: tuple[tuple[int, ...], ...]
+    covered: tuple[int, ...]
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _arena_put(arena_k: jax.Array, arena_v: jax.Array, k: jax.Array, v: jax.Array, slot: jax.Array):
-    """Writes [L, n, K, d] into arena slots [slot, slot + n)."""
-    start = (0, slot, 0, 0)
-    return jax.lax.dynamic_update_slice(arena_k, k, start), jax.lax.dynamic_update_slice(arena_v, v, start)
+@dataclasses.dataclass(slots=True)
+class StoreStats:
+    """Counters of a managed chunk store.
+
+    Attributes:
+      puts: ``put`` calls; computed: chunks prefilled through the engine (the rest were
+        already cached on some tier).
+      lookups: chunks looked up; hit_tokens: chunk tokens whose KV a lookup found;
+        missed_tokens: chunk tokens without stored KV (evicted blocks), recomputed.
+      onboarded_pages: host pages brought back to the device by lookups.
+    """
+
+    puts: int = 0
+    computed: int = 0
+    lookups: int = 0
+    hit_tokens: int = 0
+    missed_tokens: int = 0
+    onboarded_pages: int = 0
 
 
 @jax.jit
-def _arena_gather(arena_k: jax.Array, arena_v: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[L, T, K, d] K and V of arena ``slots`` [T]."""
-    return arena_k[:, slots], arena_v[:, slots]
+def gather_slots(pool: PagePool, page_ids: jax.Array, offsets: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """KV of arbitrary cache slots in every layer; zeros where ``valid`` is False.
+
+    Args:
+      page_ids, offsets, valid: [T] int32, int32, bool (invalid slots may name any page).
+
+    Returns:
+      (k, v), each [L, T, K, d].
+    """
+    mask = valid[:, None, None]
+
+    def read(pages: jax.Array) -> jax.Array:
+        return jnp.where(mask, pages[page_ids, offsets], 0)  # [T, K, d]
+
+    return jnp.stack([read(p) for p in pool.k]), jnp.stack([read(p) for p in pool.v])
 
 
 class ChunkStore:
-    """Computes, stores and loads chunk KV in one tier.
+    """Chunk KV as blocks of ``engine.manager`` under a chunk scope.
 
     Args:
-      params, cfg: the model.
+      engine: the engine whose manager, pages and host tier hold the chunks. Its cache must
+        have one layer group (every layer full attention).
       variant: start variant ("pos0", "bos", "system").
-      prefix_tokens: the shared system prompt (used by the "system" variant).
-      tier: "device", "host" or "disk".
-      device_capacity: arena token slots (device tier; slot 0 stays zero for padding).
-      disk_dir: folder of the disk tier.
-      page_size, token_bucket: scratch-pool page size; precompute lengths round up to
-        ``token_bucket`` so chunk lengths share compiled prefills.
+      prefix_tokens: the shared system prompt (the "system" variant).
+      retention: retention of chunk blocks (priorities, durations), applied when stored and
+        again on every lookup; None = default priority.
     """
 
     def __init__(
         self,
-        params: transformer.Params,
-        cfg: ModelConfig,
+        engine: "Engine",
         *,
         variant: Variant = "system",
         prefix_tokens: Sequence[int] = (),
-        tier: Tier = "device",
-        device_capacity: int = 8192,
-        disk_dir: str | pathlib.Path | None = None,
-        page_size: int = 32,
-        token_bucket: int = 64,
+        retention: KvCacheRetentionConfig | dict | None = None,
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
-        if tier not in TIERS:
-            raise ValueError(f"tier={tier!r} must be one of {TIERS}")
-        if tier == "disk" and disk_dir is None:
-            raise ValueError("tier='disk' needs disk_dir (a folder for the .npy files)")
         if variant == "system" and not prefix_tokens:
             raise ValueError("variant='system' needs the shared prefix_tokens")
-        self.prefix_tokens = check_token_ids(prefix_tokens, "prefix_tokens", cfg.vocab_size)
-        if len(self.prefix_tokens) >= cfg.max_seq_len:
+        if engine.layout.num_groups != 1:
             raise ValueError(
-                f"len(prefix_tokens)={len(self.prefix_tokens)} must be < cfg.max_seq_len={cfg.max_seq_len} "
-                "(chunks are computed behind it)"
+                f"the engine's cache has {engine.layout.num_groups} layer groups (windows "
+                f"{engine.manager.group_windows}); the chunk store needs 1 (full attention)"
             )
-        self.params, self.cfg = params, cfg
-        self.variant, self.tier = variant, tier
-        self.variant_prefix: tuple[int, ...] = {"pos0": (), "bos": (cfg.bos_id,), "system": self.prefix_tokens}[variant]
-        self.page_size, self.token_bucket = page_size, token_bucket
-        self.disk_dir = pathlib.Path(disk_dir) if disk_dir is not None else None
-        if self.disk_dir is not None:
-            self.disk_dir.mkdir(parents=True, exist_ok=True)
-        self._root = root_key(InternalScope(f"chunk:{variant}:" + ",".join(map(str, self.variant_prefix))), None)
-        self._chunks: dict[bytes, StoredChunk] = {}
-        self._host: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-        self.device_capacity = device_capacity
-        self._arena: tuple[jax.Array, jax.Array] | None = None
-        self._next_slot = 1
-        self.bytes_loaded = 0
-        self.computed = 0
-
-    # ------------------------------------------------------------------ keys and lookup
-    def key(self, tokens: Sequence[int]) -> bytes:
-        """BLAKE3 block key of ``tokens`` under this store's chunk root."""
-        return block_key(self._root, tuple(int(t) for t in tokens), ())
-
-    def __contains__(self, tokens: Sequence[int]) -> bool:
-        return self.key(tokens) in self._chunks
-
-    def get(self, tokens: Sequence[int]) -> StoredChunk:
-        key = self.key(tokens)
-        if key not in self._chunks:
-            raise KeyError(f"chunk of {len(tokens)} tokens (key {key.hex()[:16]}...) is not stored")
-        return self._chunks[key]
+        if not engine.kv_config.enable_block_reuse:
+            raise ValueError("kv_cache_config.enable_block_reuse=False: chunks cannot be stored as reusable blocks")
+        self.engine = engine
+        self.variant = variant
+        self.retention = retention
+        self.prefix_tokens = check_token_ids(prefix_tokens, "prefix_tokens", engine.model.config.vocab_size)
+        bos = engine.model.config.bos_id
+        self.variant_prefix: tuple[int, ...] = {"pos0": (), "bos": (bos,), "system": self.prefix_tokens}[variant]
+        self.salt = InternalScope(f"chunk:{variant}")
+        self.stats = StoreStats()
+        self._ids = itertools.count()
 
     @property
     def stored_start(self) -> int:
+        """Position of a chunk's first token when its KV was computed."""
         return len(self.variant_prefix)
 
-    def _paths(self, key: bytes) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
-        """The disk tier's K, V and digest files of a chunk."""
-        name = key.hex()
-        return self.disk_dir / f"{name}.k.npy", self.disk_dir / f"{name}.v.npy", self.disk_dir / f"{name}.b3"
+    @property
+    def page_size(self) -> int:
+        return self.engine.manager.page_size
 
-    def clear(self) -> None:
-        """Drops every chunk (the arena is reused, files are deleted)."""
-        for key in self._chunks:
-            if self.disk_dir is not None:
-                for path in self._paths(key):
-                    path.unlink(missing_ok=True)
-        self._chunks.clear()
-        self._host.clear()
-        self._next_slot = 1
+    def stored_tokens(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The request that stores a chunk: variant prefix + chunk + ``PAD`` up to a block boundary."""
+        stored = (*self.variant_prefix, *(int(t) for t in tokens))
+        return (*stored, *(PAD,) * (-len(stored) % self.page_size))
 
-    # ------------------------------------------------------------------ precompute
-    def compute(self, tokens: Sequence[int]) -> tuple[jax.Array, jax.Array]:
-        """KV of ``tokens`` computed behind the variant's prefix: ([L, n, K, d], [L, n, K, d])."""
-        full = np.asarray([*self.variant_prefix, *tokens], np.int32)
-        padded = -(-len(full) // self.token_bucket) * self.token_bucket
-        pages = padded // self.page_size + 1
-        layout = CacheLayout(
-            layer_windows=self.cfg.layer_windows, num_pages=(pages + 1,) * len(dict.fromkeys(self.cfg.layer_windows)),
-            page_size=self.page_size, num_kv_heads=self.cfg.num_kv_heads, head_dim=self.cfg.head_dim,
-            max_seq_len=self.cfg.max_seq_len,
-        )
-        tok = np.zeros((1, padded), np.int32)
-        tok[0, : len(full)] = full
-        pos = np.full((1, padded), -1, np.int32)
-        pos[0, : len(full)] = np.arange(len(full))
-        table = np.arange(1, pages + 1, dtype=np.int32)
-        tables = (jnp.asarray(table[None]),) * layout.num_groups
-        _, pool = transformer.forward(
-            self.params, init_pool(layout), jnp.asarray(tok), jnp.asarray(pos), tables,
-            jnp.asarray([len(full)], jnp.int32), cfg=self.cfg, layout=layout, logits_mode="none",
-        )
-        k, v = gather_kv(pool, jnp.asarray(table), padded)
-        start = len(self.variant_prefix)
-        return k[:, start : len(full)], v[:, start : len(full)]
+    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """Manager keys of the chunk's full blocks under its chunk scope."""
+        return self.engine.manager.prompt_block_keys(self.stored_tokens(tokens), cache_salt=self.salt)
 
-    def put(self, tokens: Sequence[int]) -> StoredChunk:
-        """Stores ``tokens``' KV (computed now unless already stored).
+    def num_cached(self, tokens: Sequence[int]) -> int:
+        """Chunk tokens whose blocks are cached now, on any tier (no side effects)."""
+        lookup = (*self.stored_tokens(tokens), SENTINEL)
+        found = self.engine.manager.estimate_reusable_tokens(lookup, cache_salt=self.salt)
+        return max(0, min(found - self.stored_start, len(tokens)))
 
-        Raises:
-          ValueError: before any work, for an empty chunk, a token id outside [0, vocab_size),
-            a chunk that does not fit ``cfg.max_seq_len`` behind the variant prefix, or a full
-            device arena.
-        """
-        tokens = check_token_ids(tokens, "tokens", self.cfg.vocab_size)
-        n = len(tokens)
-        if not 1 <= n <= self.cfg.max_seq_len - self.stored_start:
-            raise ValueError(
-                f"a chunk of {n} tokens must hold between 1 and cfg.max_seq_len={self.cfg.max_seq_len} - "
-                f"{self.stored_start} (the {self.variant!r} prefix) = {self.cfg.max_seq_len - self.stored_start} tokens"
-            )
-        key = self.key(tokens)
-        if key in self._chunks:
-            return self._chunks[key]
-        if self.tier == "device" and self._next_slot + n > self.device_capacity:
-            raise ValueError(
-                f"device_capacity={self.device_capacity} token slots are full ({self._next_slot - 1} used, "
-                f"{n} more needed); raise device_capacity or clear() the store"
-            )
-        k, v = self.compute(tokens)
-        self.computed += 1
-        slot = -1
-        if self.tier == "device":
-            if self._arena is None:
-                shape = (self.cfg.num_layers, self.device_capacity, self.cfg.num_kv_heads, self.cfg.head_dim)
-                self._arena = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
-            slot = self._next_slot
-            self._arena = _arena_put(*self._arena, k, v, jnp.int32(slot))
-            self._next_slot += n
-        elif self.tier == "host":
-            self._host[key] = (np.asarray(k), np.asarray(v))
-        else:
-            k, v = np.asarray(k), np.asarray(v)
-            k_path, v_path, digest_path = self._paths(key)
-            np.save(k_path, k)
-            np.save(v_path, v)
-            digest_path.write_bytes(b"".join(layer_digest(key, layer, k[layer], v[layer]) for layer in range(len(k))))
-        chunk = StoredChunk(key=key, num_tokens=n, stored_start=self.stored_start, tier=self.tier, slot=slot)
-        self._chunks[key] = chunk
-        return chunk
+    # ------------------------------------------------------------------ store
+    def put(self, tokens: Sequence[int]) -> int:
+        """Stores a chunk (prefilled through the engine unless its blocks are all cached).
 
-    # ------------------------------------------------------------------ loading
-    def read_host(self, chunk: StoredChunk, layer: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of a host or disk chunk as numpy ([L, n, K, d], or [n, K, d] for one layer)."""
-        if chunk.tier == "disk":
-            return self._read_disk(chunk, layer)
-        if chunk.tier != "host":
-            raise ValueError(f"chunk tier={chunk.tier!r}; read_host reads 'host' or 'disk' chunks")
-        k, v = self._host[chunk.key]
-        return (k, v) if layer is None else (k[layer], v[layer])
-
-    def _read_disk(self, chunk: StoredChunk, layer: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """Reads a disk chunk (one layer, or all) into memory and checks it against its digests.
-
-        Raises:
-          ChunkIntegrityError: naming the chunk, which is dropped from the store.
-        """
-        num_layers = self.cfg.num_layers
-        k_path, v_path, digest_path = self._paths(chunk.key)
-        try:
-            k_map, v_map = np.load(k_path, mmap_mode="r"), np.load(v_path, mmap_mode="r")
-            digests = digest_path.read_bytes()
-        except (OSError, ValueError) as err:
-            raise self._drop_corrupt(chunk, f"its files are unreadable ({err})") from err
-        shape = (num_layers, chunk.num_tokens, self.cfg.num_kv_heads, self.cfg.head_dim)
-        if k_map.shape != shape or v_map.shape != shape or len(digests) != 32 * num_layers:
-            raise self._drop_corrupt(
-                chunk, f"K {k_map.shape} / V {v_map.shape} must both be {shape} with {num_layers} digests, "
-                f"found {len(digests) / 32:g}"
-            )
-        layers = range(num_layers) if layer is None else (layer,)
-        k, v = (np.array(k_map), np.array(v_map)) if layer is None else (np.array(k_map[layer]), np.array(v_map[layer]))
-        for i, layer_i in enumerate(layers):
-            k_l, v_l = (k[i], v[i]) if layer is None else (k, v)
-            if layer_digest(chunk.key, layer_i, k_l, v_l) != digests[32 * layer_i : 32 * (layer_i + 1)]:
-                raise self._drop_corrupt(chunk, f"layer {layer_i} does not match its BLAKE3 digest")
-        return k, v
-
-    def _drop_corrupt(self, chunk: StoredChunk, reason: str) -> ChunkIntegrityError:
-        """Forgets a damaged disk chunk and deletes its files; returns the error to raise."""
-        self._chunks.pop(chunk.key, None)
-        for path in self._paths(chunk.key):
-            path.unlink(missing_ok=True)
-        return ChunkIntegrityError(
-            f"disk chunk {chunk.key.hex()} ({chunk.num_tokens} tokens, variant {self.variant!r}) under "
-            f"{str(self.disk_dir)!r} failed its integrity check: {reason}. It was dropped; put() its tokens "
-            "again to recompute it"
-        )
-
-    def assemble(
-        self, chunks: Sequence[StoredChunk], starts: Sequence[int], padded: int
-    ) -> tuple[jax.Array, jax.Array]:
-        """The reused KV of a prompt: chunk ``i`` placed at token ``starts[i]``; zeros elsewhere.
+        The prefill runs as a request of the engine, so ``engine.step()`` runs until it ends:
+        other requests in flight advance meanwhile.
 
         Returns:
-          (k, v), each [L, padded, K, d] on the device, keys still at their stored rotation.
-        """
-        if self.tier == "device" and self._arena is None:  # nothing stored yet (a prompt without chunks)
-            shape = (self.cfg.num_layers, padded, self.cfg.num_kv_heads, self.cfg.head_dim)
-            return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
-        if self.tier == "device":
-            slots = np.zeros(padded, np.int32)
-            for chunk, start in zip(chunks, starts):
-                slots[start : start + chunk.num_tokens] = np.arange(chunk.slot, chunk.slot + chunk.num_tokens)
-            self.bytes_loaded += 2 * int(np.count_nonzero(slots)) * self._token_bytes()
-            return _arena_gather(*self._arena, jnp.asarray(slots))
-        shape = (self.cfg.num_layers, padded, self.cfg.num_kv_heads, self.cfg.head_dim)
-        k_host, v_host = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        for chunk, start in zip(chunks, starts):
-            k, v = self.read_host(chunk)
-            k_host[:, start : start + chunk.num_tokens] = k
-            v_host[:, start : start + chunk.num_tokens] = v
-            self.bytes_loaded += 2 * chunk.num_tokens * self._token_bytes()
-        return jax.device_put(k_host), jax.device_put(v_host)
+          The chunk tokens with stored KV (all of them).
 
-    def _token_bytes(self) -> int:
-        """Bytes of one token's K (or V) over all layers."""
-        return self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * 4
+        Raises:
+          ValueError: before any work, for an empty chunk, a token id outside [0, vocab_size)
+            or a chunk that does not fit the engine's ``max_seq_len`` behind the variant prefix.
+          RuntimeError: the engine failed the prefill (the other requests went on).
+        """
+        tokens = check_token_ids(tokens, "tokens", self.engine.model.config.vocab_size)
+        limit = self.engine.max_seq_len - self.stored_start - self.page_size  # room for the pads and one sample
+        if not 1 <= len(tokens) <= limit:
+            raise ValueError(
+                f"a chunk of {len(tokens)} tokens must hold between 1 and engine.max_seq_len={self.engine.max_seq_len} "
+                f"- {self.stored_start} (the {self.variant!r} prefix) - page_size = {limit} tokens"
+            )
+        self.stats.puts += 1
+        if self.num_cached(tokens) >= len(tokens):
+            return len(tokens)
+        rid = self.engine.submit(
+            self.stored_tokens(tokens), SamplingParams(max_new_tokens=1, ignore_eos=True),
+            retention=self.retention, cache_salt=self.salt, request_id=f"{self.salt}/store-{next(self._ids)}",
+        )
+        record = self.engine.requests[rid]  # stays in the engine's bounded history of finished requests
+        while not record.finished:
+            self.engine.step()
+        if record.error is not None:
+            raise RuntimeError(f"storing a chunk of {len(tokens)} tokens failed in request {rid!r}: {record.error}")
+        self.stats.computed += 1
+        return len(tokens)
+
+    # ------------------------------------------------------------------ lookup
+    def acquire(self, sequences: Sequence[Sequence[int]], cache_salt: str | None = "") -> Lease:
+        """Takes references on the cached blocks of each token sequence and brings host blocks
+        back to the device (the engine executes the onboards now).
+
+        Args:
+          sequences: full token sequences as stored (``stored_tokens(chunk)`` for a chunk; an
+            ordinary prompt prefix with ``cache_salt=None``).
+          cache_salt: scope of the lookups; "" = this store's chunk scope.
+        """
+        manager = self.engine.manager
+        salt = self.salt if cache_salt == "" else cache_salt
+        ids, tables, covered = [], [], []
+        onboarded = manager.stats.onboarded_pages
+        try:
+            for seq in sequences:
+                rid = f"{self.salt}/lookup-{next(self._ids)}"
+                found = manager.add_request(rid, (*seq, SENTINEL), retention=self.retention, cache_salt=salt)
+                ids.append(rid)
+                tables.append(tuple(manager.block_table(rid, 0)))
+                covered.append(min(found, len(seq)))
+        except Exception:
+            self.release(Lease(tuple(ids), (), ()))
+            raise
+        self.engine.execute_page_ops()
+        self.stats.onboarded_pages += manager.stats.onboarded_pages - onboarded
+        return Lease(tuple(ids), tuple(tables), tuple(covered))
+
+    def release(self, lease: Lease) -> None:
+        """Drops a lease's references; the blocks stay cached."""
+        for rid in lease.request_ids:
+            self.engine.manager.free_request(rid)
+
+    def slots(self, table: Sequence[int], stored: range, padded: int, at: int) -> tuple[np.ndarray, ...]:
+        """Slot arrays placing stored positions ``stored`` at prompt tokens ``at, at + 1, ...``.
+
+        Returns:
+          (page_ids [padded] int32, offsets [padded] int32, valid [padded] bool).
+        """
+        ps = self.page_size
+        page_ids = np.full(padded, NULL_PAGE, np.int32)
+        offsets = np.zeros(padded, np.int32)
+        valid = np.zeros(padded, bool)
+        pos = np.asarray(stored, np.int64)
+        dst = np.arange(at, at + len(pos))
+        page_ids[dst] = np.asarray(table, np.int32)[pos // ps]
+        offsets[dst] = pos % ps
+        valid[dst] = True
+        return page_ids, offsets, valid
+
+
+__all__ = ["ChunkStore", "Lease", "PAD", "SENTINEL", "StoreStats", "VARIANTS", "Variant", "gather_slots"]

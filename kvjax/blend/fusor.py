@@ -1,18 +1,23 @@
-"""Layer-by-layer blended prefill into the paged cache (SPEC C5).
+"""Layer-by-layer blended prefill into the paged cache: the one blended-prefill driver.
 
-For every layer l (compiled as a check phase plus one reused layer step, see ``blend_prefill``):
+The reused KV of every prompt token (chunks precomputed alone) is re-rotated to its actual
+position once for all layers (``prepare``), as one contiguous per-sequence K/V array per
+layer. Then for every layer l (compiled as a check phase plus one reused layer step, see
+``blend_prefill``):
 
-1. the reused KV of every prompt token (chunks precomputed alone, keys re-rotated to their
-   actual positions, C2) is written into the sequence's pages of layer l;
-2. the rows still being recomputed get fresh q/k/v from their own hidden states; at a check
+1. the rows still being recomputed get fresh q/k/v from their own hidden states; at a check
    layer their deviation from the reused KV narrows the set (``selection.narrow``);
-3. the recomputed rows' K/V overwrite the reused ones in the pages (the fused KV);
-4. the recomputed rows attend over the fused pages with ``attention.partial_attention``,
-   whose causal mask is exact by position (``key_pos <= query_pos``), and run the MLP.
+2. the recomputed rows' K/V overwrite the reused ones in the layer's contiguous K/V (the
+   fused KV);
+3. the recomputed rows attend over it with ``attention.partial_attention`` (the contiguous
+   array seen as pages 0, 1, ...), whose causal mask is exact by position
+   (``key_pos <= query_pos``), and run the MLP.
 
-After the prefill the pages hold the fused KV and decoding continues with
-``transformer.forward`` like after any prefill. Recomputing every row reproduces full
-recompute; recomputing only the suffix is full KV reuse.
+Finally the fused KV of every layer is written into the sequence's pages in one program
+(``write_fused``; tokens below ``num_cached`` are left alone). Decoding then continues with
+``transformer.forward`` like after any prefill. ``blend_prefill`` is the only layer loop; the
+engine runs it for every request submitted with chunks (``kvjax.blend.engine_blend``).
+Recomputing every row reproduces full recompute; recomputing only the suffix is full KV reuse.
 
 Shapes: L = layers, T = padded prompt tokens, M = recomputed row capacity, K = kv heads,
 H = heads, d = head_dim, D = d_model, V = vocab, P = probe rows, pages_per_seq = block-table width.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import flax.struct
 import jax
@@ -44,11 +50,14 @@ class BlendPlan:
       checks: (layer, row capacity after narrowing) per check layer; empty = fixed rows.
       deviation: "k", "v" or "kv" scoring at the checks.
       num_probes: rows whose per-layer attention output is traced (0 = no trace).
+      num_logits: logits returned for this many last prompt positions (>= 1; all of them
+        must be recomputed rows, e.g. the suffix).
     """
 
     checks: tuple[tuple[int, int], ...] = ()
     deviation: Deviation = "kv"
     num_probes: int = 0
+    num_logits: int = 1
 
 
 @flax.struct.dataclass
@@ -109,11 +118,9 @@ def blend_layer(
     cfg: ModelConfig,
     layout: CacheLayout,
     layer: int,
-    pool_k: jax.Array,
-    pool_v: jax.Array,
     rows: RowState,
-    reused_k: jax.Array,
-    reused_v: jax.Array,
+    seq_k: jax.Array,
+    seq_v: jax.Array,
     inputs: BlendInputs,
     check: tuple[int, jax.Array] | None,
     deviation: Deviation,
@@ -123,27 +130,19 @@ def blend_layer(
 
     Args:
       layer: layer index (static: RoPE base and window).
-      pool_k, pool_v: [num_pages, page_size, K, d] pages of this layer.
       rows: the rows entering the layer.
-      reused_k, reused_v: [T, K, d] stored KV of this layer (keys at stored positions).
+      seq_k, seq_v: [T, K, d] reused KV of this layer at the actual positions (T a multiple
+        of the page size).
       check: (capacity, count) to narrow the rows at this layer, or None.
 
     Returns:
-      (rows leaving the layer, pool_k, pool_v, attention output [M, H, d] of the rows).
+      (rows leaving the layer, fused seq_k, seq_v, attention output [M, H, d] of the rows).
     """
-    theta = cfg.layer_rope_theta[layer]
-    bt = inputs.block_table
-    reused_k = reposition_keys(reused_k, inputs.deltas, theta)  # [T, K, d]
-    write_pos = jnp.where(inputs.positions >= inputs.num_cached, inputs.positions, -1)  # [T]
-    page_ids, offsets = slot_mapping(bt, write_pos[None], layout.page_size)
-    pool_k = write_layer(pool_k, page_ids, offsets, reused_k[None])
-    pool_v = write_layer(pool_v, page_ids, offsets, reused_v[None])
-
     row_pos = jnp.where(rows.valid, inputs.positions[rows.idx], -1)  # [M]
     q, k, v = transformer.qkv(lp, cfg, layer, rows.x[None], row_pos[None])  # [1, M, *, d]
     if check is not None:
         capacity, count = check
-        dev = token_deviation(k[0], v[0], reused_k[rows.idx], reused_v[rows.idx], deviation)  # [M]
+        dev = token_deviation(k[0], v[0], seq_k[rows.idx], seq_v[rows.idx], deviation)  # [M]
         forced = inputs.forced[rows.idx] & rows.valid
         eligible = (inputs.selectable[rows.idx] | inputs.forced[rows.idx]) & rows.valid
         picked, valid = narrow(dev, forced, eligible, count, capacity)
@@ -151,15 +150,43 @@ def blend_layer(
         q, k, v = q[:, picked], k[:, picked], v[:, picked]
         row_pos = jnp.where(valid, inputs.positions[rows.idx], -1)
 
-    page_ids, offsets = slot_mapping(bt, row_pos[None], layout.page_size)
-    pool_k = write_layer(pool_k, page_ids, offsets, k)
-    pool_v = write_layer(pool_v, page_ids, offsets, v)
+    t = seq_k.shape[0]
+    target = jnp.where(rows.valid, rows.idx, t)  # invalid rows write nowhere
+    seq_k = seq_k.at[target].set(k[0].astype(seq_k.dtype), mode="drop")
+    seq_v = seq_v.at[target].set(v[0].astype(seq_v.dtype), mode="drop")
+    ps = layout.page_size
+    pages = (t // ps, ps, *seq_k.shape[1:])
     out = attention.partial_attention(
-        q, row_pos[None], pool_k, pool_v, inputs.length, bt,
-        sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl,
+        q, row_pos[None], seq_k.reshape(pages), seq_v.reshape(pages), inputs.length,
+        jnp.arange(t // ps, dtype=jnp.int32)[None], sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer),
+        impl=attn_impl,
     )  # [1, M, H, d]
     x = transformer.finish_layer(lp, cfg, rows.x[None], out)[0]
-    return rows.replace(x=x), pool_k, pool_v, out[0]
+    return rows.replace(x=x), seq_k, seq_v, out[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def prepare(inputs: BlendInputs, *, cfg: ModelConfig) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Per-layer contiguous reused KV at the actual positions: keys re-rotated by ``deltas``.
+
+    Returns:
+      (k, v): one [T, K, d] array per layer each.
+    """
+    k = tuple(reposition_keys(inputs.reused_k[i], inputs.deltas, cfg.layer_rope_theta[i]) for i in range(cfg.num_layers))
+    return k, tuple(inputs.reused_v[i] for i in range(cfg.num_layers))
+
+
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("pool",))
+def write_fused(
+    pool: PagePool, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], inputs: BlendInputs, *, layout: CacheLayout
+) -> PagePool:
+    """Writes the fused KV ([T, K, d] per layer) into the sequence's pages, except the
+    ``num_cached`` leading tokens (pages the tree already holds, possibly shared)."""
+    write_pos = jnp.where(inputs.positions >= inputs.num_cached, inputs.positions, -1)  # [T]
+    page_ids, offsets = slot_mapping(inputs.block_table, write_pos[None], layout.page_size)
+    new_k = tuple(write_layer(p, page_ids, offsets, k[i][None]) for i, p in enumerate(pool.k))
+    new_v = tuple(write_layer(p, page_ids, offsets, v[i][None]) for i, p in enumerate(pool.v))
+    return PagePool(k=new_k, v=new_v)
 
 
 def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInputs) -> RowState:
@@ -168,10 +195,11 @@ def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInpu
     return RowState(idx=inputs.rows, valid=inputs.rows_valid, x=x)
 
 
-def last_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array) -> jax.Array:
-    """Logits [V] of the row at the highest valid position (the prompt's last token)."""
+def last_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int) -> jax.Array:
+    """Logits [num, V] of the rows at the ``num`` highest valid positions, in position order."""
     row_pos = jnp.where(rows.valid, positions[rows.idx], -1)
-    return transformer.logits_of(params, cfg, rows.x[jnp.argmax(row_pos)])
+    _, top = jax.lax.top_k(row_pos, num)
+    return jax.vmap(lambda x: transformer.logits_of(params, cfg, x))(rows.x[top[::-1]])
 
 
 def _trace(inputs: BlendInputs, rows: RowState, out: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -182,14 +210,11 @@ def _trace(inputs: BlendInputs, rows: RowState, out: jax.Array) -> tuple[jax.Arr
     return attn, jnp.zeros(inputs.tokens.shape[0], bool).at[rows.idx].max(rows.valid)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "checks", "deviation", "num_probes", "attn_impl"),
-    donate_argnames=("pool_k", "pool_v"),
-)
+@functools.partial(jax.jit, static_argnames=("cfg", "layout", "checks", "deviation", "num_probes", "attn_impl"))
 def _check_phase(
     params: transformer.Params,
-    pool_k: tuple[jax.Array, ...],
-    pool_v: tuple[jax.Array, ...],
+    seq_k: tuple[jax.Array, ...],
+    seq_v: tuple[jax.Array, ...],
     inputs: BlendInputs,
     *,
     cfg: ModelConfig,
@@ -201,60 +226,48 @@ def _check_phase(
 ) -> tuple[RowState, tuple[jax.Array, ...], tuple[jax.Array, ...], list]:
     """Layers 0 .. last check layer in one program: all tokens, then narrowing at each check.
 
-    ``pool_k``/``pool_v`` hold the pages of exactly these layers.
+    ``seq_k``/``seq_v`` hold the reused KV of exactly these layers.
     """
     check_at = {layer: (i, capacity) for i, (layer, capacity) in enumerate(checks)}
     rows = initial_rows(params, cfg, inputs)
-    pool_k, pool_v, traces = list(pool_k), list(pool_v), []
-    for layer in range(len(pool_k)):
+    seq_k, seq_v, traces = list(seq_k), list(seq_v), []
+    for layer in range(len(seq_k)):
         check = None
         if layer in check_at:
             i, capacity = check_at[layer]
             check = (capacity, inputs.counts[i])
-        rows, pool_k[layer], pool_v[layer], out = blend_layer(
-            params.layers[layer], cfg, layout, layer, pool_k[layer], pool_v[layer], rows,
-            inputs.reused_k[layer], inputs.reused_v[layer], inputs, check, deviation, attn_impl,
+        rows, seq_k[layer], seq_v[layer], out = blend_layer(
+            params.layers[layer], cfg, layout, layer, rows, seq_k[layer], seq_v[layer], inputs, check, deviation, attn_impl,
         )
         if num_probes:
             traces.append(_trace(inputs, rows, out))
-    return rows, tuple(pool_k), tuple(pool_v), traces
+    return rows, tuple(seq_k), tuple(seq_v), traces
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "layer", "capacity", "deviation", "num_probes", "attn_impl"),
-    donate_argnames=("pool_k", "pool_v"),
-)
+@functools.partial(jax.jit, static_argnames=("cfg", "layout", "layer", "num_probes", "attn_impl"))
 def layer_step(
     lp: transformer.LayerParams,
-    pool_k: jax.Array,
-    pool_v: jax.Array,
     rows: RowState,
-    reused_k: jax.Array,
-    reused_v: jax.Array,
+    seq_k: jax.Array,
+    seq_v: jax.Array,
     inputs: BlendInputs,
-    count: jax.Array,
     *,
     cfg: ModelConfig,
     layout: CacheLayout,
     layer: int,
-    capacity: int,
-    deviation: Deviation,
     num_probes: int,
     attn_impl: attention.Impl,
 ) -> tuple[RowState, jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """``blend_layer`` as its own program; ``capacity`` > 0 narrows to ``count`` rows.
+    """``blend_layer`` without a check as its own program.
 
     ``layer`` only fixes the RoPE base and window, so one compiled step serves every layer
     with the same pair (see ``representative_layer``).
 
     Returns:
-      (rows, pool_k, pool_v, (attn [P, H*d], recomputed [T]) or None).
+      (rows, seq_k, seq_v, (attn [P, H*d], recomputed [T]) or None).
     """
-    check = (capacity, count) if capacity else None
-    rows, pool_k, pool_v, out = blend_layer(
-        lp, cfg, layout, layer, pool_k, pool_v, rows, reused_k, reused_v, inputs, check, deviation, attn_impl
-    )
-    return rows, pool_k, pool_v, (_trace(inputs, rows, out) if num_probes else None)
+    rows, seq_k, seq_v, out = blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, "kv", attn_impl)
+    return rows, seq_k, seq_v, (_trace(inputs, rows, out) if num_probes else None)
 
 
 def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
@@ -264,7 +277,22 @@ def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> i
 
 
 initial_rows_jit = jax.jit(initial_rows, static_argnames=("cfg",))
-last_logits_jit = jax.jit(last_logits, static_argnames=("cfg",))
+last_logits_jit = jax.jit(last_logits, static_argnames=("cfg", "num"))
+
+
+class _PhaseClock:
+    """Seconds per phase into ``phases`` (a no-op when None); waits for each phase's outputs."""
+
+    def __init__(self, phases: dict[str, float] | None) -> None:
+        self.phases, self.start = phases, time.perf_counter()
+
+    def lap(self, name: str, outputs: object) -> None:
+        if self.phases is None:
+            return
+        jax.block_until_ready(outputs)
+        now = time.perf_counter()
+        self.phases[name] = now - self.start
+        self.start = now
 
 
 def blend_prefill(
@@ -276,70 +304,56 @@ def blend_prefill(
     layout: CacheLayout,
     plan: BlendPlan,
     attn_impl: attention.Impl = "auto",
+    phases: dict[str, float] | None = None,
 ) -> tuple[jax.Array, PagePool, dict[str, jax.Array] | None]:
     """Blended prefill of one prompt; writes the fused KV into the pool (donated).
 
-    Two compiled phases: the check phase (layers 0 .. last check layer, all tokens, then
-    gradual filtering) as one program, then one compiled layer step for the selected rows,
-    dispatched asynchronously per remaining layer (a 30-layer unrolled program would take
-    ~5x longer to compile for every new row capacity, with no faster run time).
+    ``prepare`` re-rotates the reused KV of all layers at once; then two compiled phases: the
+    check phase (layers 0 .. last check layer, all tokens, then gradual filtering) as one
+    program, and one compiled layer step for the selected rows, dispatched asynchronously per
+    remaining layer (a 30-layer unrolled program would take ~5x longer to compile for every
+    new row capacity, with no faster run time); ``write_fused`` then fills the pages.
+
+    Args:
+      inputs: T must be a multiple of ``layout.page_size``.
+      phases: if given, receives the seconds of each phase ("reposition", "check_layers",
+        "row_layers", "logits_write"), waiting for each to finish before the next starts.
 
     Returns:
-      (logits [V] float32 of the last prompt token, the pool, trace or None). With
-      ``plan.num_probes > 0`` the trace holds ``attn`` [L, P, H*d] (attention output of the
-      probe positions, zeros where a probe was not recomputed) and ``recomputed`` [L, T] bool.
+      (logits [plan.num_logits, V] float32 of the last prompt tokens, the pool, trace or None).
+      With ``plan.num_probes > 0`` the trace holds ``attn`` [L, P, H*d] (attention output of
+      the probe positions, zeros where a probe was not recomputed), ``recomputed`` [L, T] bool
+      and the fused KV ``k``, ``v`` [L, T, K, d] of the sequence.
     """
+    if inputs.tokens.shape[0] % layout.page_size:
+        raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of page_size={layout.page_size}")
+    clock = _PhaseClock(phases)
     inputs = jax.device_put(inputs)
+    seq_k, seq_v = prepare(inputs, cfg=cfg)
+    clock.lap("reposition", seq_k)
     first = plan.checks[-1][0] + 1 if plan.checks else 0
-    options = dict(cfg=cfg, layout=layout, deviation=plan.deviation, num_probes=plan.num_probes, attn_impl=attn_impl)
+    options = dict(cfg=cfg, layout=layout, num_probes=plan.num_probes, attn_impl=attn_impl)
     if first:
-        rows, head_k, head_v, traces = _check_phase(params, pool.k[:first], pool.v[:first], inputs, checks=plan.checks, **options)
+        rows, head_k, head_v, traces = _check_phase(
+            params, seq_k[:first], seq_v[:first], inputs, checks=plan.checks, deviation=plan.deviation, **options
+        )
     else:
         rows, head_k, head_v, traces = initial_rows_jit(params, cfg=cfg, inputs=inputs), (), (), []
-    pool_k, pool_v = list(head_k) + list(pool.k[first:]), list(head_v) + list(pool.v[first:])
-    zero = jnp.zeros((), jnp.int32)
+    clock.lap("check_layers", rows.x)
+    seq_k, seq_v = list(head_k) + list(seq_k[first:]), list(head_v) + list(seq_v[first:])
     for layer in range(first, cfg.num_layers):
-        rows, pool_k[layer], pool_v[layer], trace = layer_step(
-            params.layers[layer], pool_k[layer], pool_v[layer], rows, inputs.reused_k[layer], inputs.reused_v[layer],
-            inputs, zero, layer=representative_layer(cfg, layout, layer), capacity=0, **options,
+        rows, seq_k[layer], seq_v[layer], trace = layer_step(
+            params.layers[layer], rows, seq_k[layer], seq_v[layer], inputs,
+            layer=representative_layer(cfg, layout, layer), **options,
         )
         if trace is not None:
             traces.append(trace)
-    logits = last_logits_jit(params, cfg=cfg, rows=rows, positions=inputs.positions)
+    clock.lap("row_layers", rows.x)
+    logits = last_logits_jit(params, cfg=cfg, rows=rows, positions=inputs.positions, num=plan.num_logits)
+    pool = write_fused(pool, tuple(seq_k), tuple(seq_v), inputs, layout=layout)
+    clock.lap("logits_write", (logits, pool))
     out = None
     if plan.num_probes:
-        out = {"attn": jnp.stack([t[0] for t in traces]), "recomputed": jnp.stack([t[1] for t in traces])}
-    return logits, PagePool(k=tuple(pool_k), v=tuple(pool_v)), out
-
-
-@functools.partial(jax.jit, static_argnames=("num_tokens",))
-def gather_kv(pool: PagePool, block_table: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """The first ``num_tokens`` KV slots of one sequence in every layer.
-
-    Args:
-      block_table: [pages_per_seq] int32.
-
-    Returns:
-      (k, v), each [L, num_tokens, K, d].
-    """
-
-    def seq(pages: jax.Array) -> jax.Array:
-        flat = pages[block_table].reshape(-1, *pages.shape[2:])  # [pages_per_seq * page_size, K, d]
-        return flat[:num_tokens]
-
-    return jnp.stack([seq(p) for p in pool.k]), jnp.stack([seq(p) for p in pool.v])
-
-
-@functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("pool",))
-def fill_pages(
-    pool: PagePool, k: jax.Array, v: jax.Array, positions: jax.Array, block_table: jax.Array, *, layout: CacheLayout
-) -> PagePool:
-    """Writes known KV (e.g. an exact cached prefix) into one sequence's pages in every layer.
-
-    Args:
-      k, v: [L, T, K, d]; positions: [T] int32 (-1 = padding); block_table: [1, pages_per_seq].
-    """
-    page_ids, offsets = slot_mapping(block_table, positions[None], layout.page_size)
-    new_k = tuple(write_layer(p, page_ids, offsets, k[i][None]) for i, p in enumerate(pool.k))
-    new_v = tuple(write_layer(p, page_ids, offsets, v[i][None]) for i, p in enumerate(pool.v))
-    return PagePool(k=new_k, v=new_v)
+        out = {"attn": jnp.stack([t[0] for t in traces]), "recomputed": jnp.stack([t[1] for t in traces]),
+               "k": jnp.stack(seq_k), "v": jnp.stack(seq_v)}
+    return logits, pool, out

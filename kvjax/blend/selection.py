@@ -5,14 +5,17 @@ Token roles in one blended prompt (T = padded token count)::
     | prefix (system prompt) | chunk 0 | chunk 1 | ... | chunk n-1 | suffix (question) | pad |
       exact, never selected    selectable: reused KV, recompute candidates   always recomputed
 
-Selectors produce a ``Selection``: either a fixed set of rows recomputed in every layer
-(random, oracle, first-k per chunk, full reuse, full recompute), or a deviation schedule
+Selectors (``SELECTORS``, by name) produce a ``Selection``: either a fixed set of rows
+recomputed in every layer (random, oracle, first-k per chunk, full reuse "none", full
+recompute "all", prefix caching "prefix"), or a deviation schedule
 (CacheBlend): all tokens run up to the first check layer; at each check layer the rows still
 being recomputed are scored by the deviation of their fresh K/V from the reused K/V and the
 set narrows to that layer's budget (gradual filtering). The suffix is always kept.
 
 Row counts are dynamic (arrays) while row capacities are static and bucketed, so prompts of
-similar size share one compiled prefill.
+similar size share one compiled prefill. ``plan`` is the one function that turns a
+``SelectionConfig`` (selector name and recompute ratio included) into the ``Selection`` a
+blended prefill runs.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ import numpy as np
 
 Deviation = Literal["k", "v", "kv"]
 DEVIATIONS = ("k", "v", "kv")
-SELECTORS = ("cacheblend", "random", "oracle", "first_k", "none", "all")
+SELECTORS = ("cacheblend", "random", "oracle", "first_k", "none", "all", "prefix")
 
 
 @dataclasses.dataclass(frozen=True)
 class SelectionConfig:
-    """How CacheBlend selects tokens.
+    """How a blended prefill selects the tokens it recomputes.
 
     Attributes:
+      selector: a name in ``SELECTORS``.
       recompute_ratio: share of the chunk tokens recomputed at the last check layer, in [0, 1].
       check_layers: layers where deviations are measured, strictly increasing, the first >= 1
         (layer 0 KV depends only on token and position, so it is exact after repositioning).
@@ -42,15 +46,20 @@ class SelectionConfig:
         and ending at 1.0; the first > 1 makes the candidate set larger than the target.
       deviation: "k", "v" or "kv": which fresh-minus-reused difference scores a token.
       row_bucket: row capacities are rounded up to a multiple of this (avoids recompiles).
+      seed: the "random" selector's seed.
     """
 
+    selector: str = "cacheblend"
     recompute_ratio: float = 0.15
     check_layers: tuple[int, ...] = (1, 2, 3)
     budgets: tuple[float, ...] = (2.0, 1.5, 1.0)
     deviation: Deviation = "kv"
     row_bucket: int = 64
+    seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector={self.selector!r} must be one of {SELECTORS}")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio={self.recompute_ratio} must lie in [0, 1]")
         if not self.check_layers or self.check_layers[0] < 1 or list(self.check_layers) != sorted(set(self.check_layers)):
@@ -202,6 +211,81 @@ def select_cacheblend(roles: Roles, config: SelectionConfig, padded: int, num_la
         rows=rows, rows_valid=rows < roles.num_tokens, checks=tuple(checks),
         counts=np.asarray(counts, np.int32), deviation=config.deviation,
     )
+
+
+def plan(
+    roles: Roles,
+    config: SelectionConfig,
+    padded: int,
+    num_layers: int,
+    *,
+    forced: np.ndarray = np.zeros(0, np.int32),
+    num_cached: int = 0,
+    exact_len: int = 0,
+    scores: np.ndarray | None = None,
+) -> Selection:
+    """The rows a blended prefill recomputes: ``config``'s selector over ``roles``, plus the
+    ``forced`` token ids in every layer, and no row below ``num_cached``.
+
+    Fixed selections get the forced ids as extra rows; deviation schedules keep
+    ``len(forced)`` more rows after each check (forced rows win every check).
+
+    Args:
+      roles: token roles; its chunk spans are the tokens with stored KV.
+      padded: padded token count T.
+      forced: [F] int32 tokens recomputed in every layer besides the suffix (chunk tokens
+        without stored KV, prefix tokens not cached).
+      num_cached: leading tokens whose KV the pages already hold.
+      exact_len: tokens whose reused KV is exact (the "prefix" selector recomputes the rest).
+      scores: [L, T] true deviation (the "oracle" selector only).
+    """
+    name, ratio, row_bucket = config.selector, config.recompute_ratio, config.row_bucket
+    if name == "cacheblend":
+        sel = select_cacheblend(roles, config, padded, num_layers)
+    elif name == "random":
+        sel = select_random(roles, ratio, np.random.default_rng(config.seed), row_bucket)
+    elif name == "first_k":
+        sel = select_first_k(roles, ratio, row_bucket)
+    elif name == "oracle":
+        if scores is None:
+            raise ValueError("selector 'oracle' needs scores (the true deviation [L, T] from full recompute)")
+        sel = select_oracle(roles, ratio, scores, row_bucket)
+    elif name == "none":
+        sel = select_none(roles, row_bucket)
+    elif name == "all":
+        sel = select_all(roles, row_bucket)
+    else:
+        chunk_ids = np.concatenate([np.arange(s, e) for s, e in roles.chunk_spans] or [np.zeros(0, int)])
+        sel = select_fixed(roles, chunk_ids[chunk_ids >= exact_len], row_bucket)
+    forced = np.asarray(forced, np.int32)
+    if not sel.checks:
+        ids = sel.rows[sel.rows_valid]
+        ids = np.unique(np.concatenate([ids[ids >= num_cached], forced])).astype(np.int32)
+        return _fixed(ids, row_bucket)
+    counts = sel.counts + len(forced)
+    checks, cap = [], padded
+    for (layer, _), count in zip(sel.checks, counts):
+        cap = min(bucket(int(count), row_bucket), cap)
+        checks.append((layer, cap))
+    return dataclasses.replace(
+        sel, rows_valid=sel.rows_valid & (sel.rows >= num_cached), checks=tuple(checks), counts=counts.astype(np.int32)
+    )
+
+
+def estimated_rows(roles: Roles, config: SelectionConfig, num_layers: int) -> int:
+    """Token-rows a blended prefill computes, averaged over layers (its scheduling charge)."""
+    target = target_count(roles, config.recompute_ratio)
+    if config.selector == "none":
+        return roles.num_forced
+    if config.selector in ("all", "prefix"):
+        return roles.num_tokens - roles.prefix_len
+    if config.selector != "cacheblend":
+        return roles.num_forced + target
+    counts = [roles.num_forced + min(roles.num_selectable, math.ceil(b * target)) for b in config.budgets]
+    ends = [*config.check_layers[1:], num_layers - 1]
+    rows = (config.check_layers[0] + 1) * (roles.num_tokens - roles.prefix_len)
+    rows += sum((end - check) * count for check, end, count in zip(config.check_layers, ends, counts))
+    return max(1, math.ceil(rows / num_layers))
 
 
 def token_deviation(

@@ -52,6 +52,8 @@ class SchedulerRequest:
       num_computed_tokens: tokens whose KV is written (reused prefix included).
       num_reused_tokens: prompt tokens reused at admission.
       output_token_ids: sampled tokens so far.
+      num_prefill_rows: a blended request (CacheBlend): its whole prompt is computed in one
+        step, charged this many tokens (the rows it recomputes); None = ordinary chunked prefill.
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class SchedulerRequest:
     num_computed_tokens: int = 0
     num_reused_tokens: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_prefill_rows: int | None = None
     prompt_keys: list[BlockKey] = dataclasses.field(default_factory=list, repr=False)
 
     @property
@@ -141,46 +144,6 @@ class Scheduler:
         )
         self.waiting.append(request)
 
-    def adopt(self, request: SchedulerRequest) -> bool:
-        """Takes over a request whose prompt was prefilled outside the scheduler (a blended
-        prefill, ``kvjax.blend.engine_blend``); it decodes from the next step on.
-
-        The request must already be registered with the manager with every prompt token
-        committed, and carry its first sampled token in ``output_token_ids``. If it is
-        preempted later it restarts as an ordinary prefill (exact KV), like any request.
-
-        Returns:
-          Whether it already finished (first token is EOS or max_new_tokens is 1); then its
-          cache references are dropped and it never runs.
-        """
-        rid = request.request_id
-        if rid in self.running or any(r.request_id == rid for r in self.waiting):
-            raise ValueError(f"request_id={rid!r} is already queued or running")
-        prompt = tuple(request.prompt_token_ids)
-        committed = self.manager.num_tokens(rid)
-        if committed != len(prompt):
-            raise ValueError(
-                f"request {rid!r} has {committed} committed tokens; adopt() needs all len(prompt)={len(prompt)} committed"
-            )
-        if len(request.output_token_ids) != 1:
-            raise ValueError(f"output_token_ids={request.output_token_ids!r} must hold exactly the first sampled token")
-        if len(prompt) + request.max_new_tokens > self.manager.max_seq_len:
-            raise ValueError(
-                f"len(prompt)={len(prompt)} + max_new_tokens={request.max_new_tokens} "
-                f"exceeds max_seq_len={self.manager.max_seq_len}"
-            )
-        request.prompt_token_ids = prompt
-        request.prompt_keys = self.manager.prompt_block_keys(
-            prompt, cache_salt=request.cache_salt, lora_id=request.lora_id, mm_items=request.mm_items
-        )
-        request.num_computed_tokens = len(prompt)
-        token = request.output_token_ids[0]
-        if request.max_new_tokens == 1 or token == request.eos_token_id:
-            self.manager.free_request(rid)
-            return True
-        self.running[rid] = request
-        return False
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -215,14 +178,13 @@ class Scheduler:
                 break
             if req.request_id not in self.running:
                 continue
-            if req.in_prefill:
-                n = min(cfg.prefill_chunk_size, len(req.prompt_token_ids) - req.num_computed_tokens, budget)
-            else:
-                n = 1
+            n, charge = self._size(req, budget)
+            if not n:
+                continue
             if not self._allocate_or_preempt(req, req.num_computed_tokens + n, preempted):
                 continue
             scheduled.append(self._work(req, n))
-            budget -= n
+            budget -= charge
             slots -= 1
         deferred: list[str] = []
         if not preempted:
@@ -268,6 +230,20 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------------ internals
+
+    def _size(self, req: SchedulerRequest, budget: int) -> tuple[int, int]:
+        """(tokens to compute this step, tokens charged); (0, 0) = wait. A blended prefill
+        runs whole and waits for a step whose budget covers its rows."""
+        remaining = len(req.prompt_token_ids) - req.num_computed_tokens
+        if not req.in_prefill:
+            return 1, 1
+        if req.num_prefill_rows is None:
+            n = min(self.config.prefill_chunk_size, remaining, budget)
+            return n, n
+        charge = min(req.num_prefill_rows, remaining)
+        if charge > budget and budget < self.config.max_num_tokens:
+            return 0, 0
+        return remaining, min(charge, budget)
 
     def _work(self, req: SchedulerRequest, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -316,9 +292,16 @@ class Scheduler:
             if aware and first < len(req.prompt_keys) and req.prompt_keys[first] in pending:
                 deferred.append(req.request_id)
                 continue
-            charge = min(cfg.prefill_chunk_size, len(prompt) - estimate, budget)
+            if req.num_prefill_rows is None:
+                charge = min(cfg.prefill_chunk_size, len(prompt) - estimate, budget)
+            elif min(req.num_prefill_rows, len(prompt) - estimate) > budget and budget < cfg.max_num_tokens:
+                break
+            else:
+                charge = min(req.num_prefill_rows, len(prompt) - estimate, budget)
             reused = self.manager.add_request(req.request_id, prompt, retention=req.retention, **kwargs)
-            n = min(cfg.prefill_chunk_size, len(prompt) - reused, budget)
+            n = len(prompt) - reused
+            if req.num_prefill_rows is None:
+                n = min(cfg.prefill_chunk_size, n, budget)
             try:
                 self.manager.allocate(req.request_id, reused + n)
             except OutOfPagesError:
@@ -329,7 +312,7 @@ class Scheduler:
             self.running[req.request_id] = req
             pending.update(req.prompt_keys[reused // ps :])
             scheduled.append(self._work(req, n))
-            budget -= max(charge, n)
+            budget -= charge if req.num_prefill_rows is not None else max(charge, n)
             slots -= 1
         return budget
 

@@ -1,4 +1,4 @@
-"""Random blended prompts and small Blenders for CacheBlend tests (tiny models)."""
+"""Random blended prompts and small engine-backed Blenders for CacheBlend tests (tiny models)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import pathlib
 import numpy as np
 
 from kvjax.blend.blender import Blender, BlendPrompt
-from kvjax.blend.chunk_store import ChunkStore, Tier, Variant
+from kvjax.blend.chunk_store import ChunkStore, Variant
+from kvjax.config import KvCacheConfig, SchedulerConfig
+from kvjax.engine import Engine
 from kvjax.model.config import ModelConfig
+from kvjax.model.registry import Model
 from kvjax.model.transformer import Params
 
 
@@ -20,24 +23,25 @@ def random_prompt(
     return BlendPrompt(prefix=draw(prefix_len), chunks=tuple(draw(n) for n in chunk_lens), suffix=draw(suffix_len))
 
 
+def tiny_engine(cfg: ModelConfig, params: Params, *, max_tokens: int = 8176, max_seq_len: int = 512, page_size: int = 16) -> Engine:
+    """An engine over a tiny model (float32 cache of ``max_tokens`` tokens, one-step prefills; the
+    default gives 512 pages with the null page, divisible by any mesh's page axis up to 512)."""
+    model = Model(config=cfg, params=params, tokenizer=None, path=pathlib.Path("tiny"))
+    return Engine(
+        model, KvCacheConfig(tokens_per_block=page_size, max_tokens=max_tokens, event_buffer_max_size=10_000),
+        SchedulerConfig(max_num_tokens=4096, prefill_chunk_size=4096), max_seq_len=max_seq_len,
+    )
+
+
 def make_blender(
-    cfg: ModelConfig,
-    params: Params,
-    prompt: BlendPrompt,
-    *,
-    variant: Variant = "system",
-    tier: Tier = "device",
-    tmp_path: str | pathlib.Path | None = None,
-    max_tokens: int = 512,
+    cfg: ModelConfig, params: Params, prompt: BlendPrompt, *, variant: Variant = "system", max_tokens: int = 512
 ) -> Blender:
-    """A Blender over a fresh store holding ``prompt``'s chunks (16-token pages, 64-token buckets).
+    """A Blender over a fresh engine and store holding ``prompt``'s chunks (16-token pages, 64-token buckets).
 
     Args:
-      tmp_path: the folder of the disk tier.
-      max_tokens: the Blender's longest prompt plus continuation.
+      max_tokens: the engine's ``max_seq_len`` (longest prompt plus continuation).
     """
-    store = ChunkStore(params, cfg, variant=variant, prefix_tokens=prompt.prefix, tier=tier,
-                       disk_dir=tmp_path, device_capacity=4096, page_size=16, token_bucket=32)
+    store = ChunkStore(tiny_engine(cfg, params, max_seq_len=max_tokens), variant=variant, prefix_tokens=prompt.prefix)
     for chunk in prompt.chunks:
         store.put(chunk)
-    return Blender(params, cfg, store, prompt.prefix, max_tokens=max_tokens, page_size=16, token_bucket=64)
+    return Blender(store, token_bucket=64)

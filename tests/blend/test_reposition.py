@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.blend.reposition import reposition_keys
+from kvjax.blend.selection import SelectionConfig
 from kvjax.model import transformer
 from kvjax.testing.blend import make_blender, random_prompt
 
@@ -30,11 +31,8 @@ def test_store_reposition_matches_full_recompute_layer0(tiny):
     cfg, params = tiny
     prompt = random_prompt(np.random.default_rng(3), cfg.vocab_size, 4, [30, 40], 3)
     blender = make_blender(cfg, params, prompt, variant="pos0")
-    n = prompt.roles.num_tokens
-    k_stored, v_stored = blender.reused_kv(prompt, 128)
-    moved = reposition_keys(k_stored[0], jnp.asarray(blender.deltas(prompt, 128)), cfg.rope_theta)
-    blender.full_recompute(prompt)
-    k_full, v_full = blender.kv(n)
-    s = prompt.roles.prefix_len
-    np.testing.assert_allclose(np.asarray(moved[s : prompt.roles.suffix_start]), np.asarray(k_full[0, s : prompt.roles.suffix_start]), **TOL)
-    np.testing.assert_allclose(np.asarray(v_stored[0, s : prompt.roles.suffix_start]), np.asarray(v_full[0, s : prompt.roles.suffix_start]), **TOL)
+    reused = blender.run(prompt, SelectionConfig(selector="none", row_bucket=16), num_probes=1).trace
+    exact = blender.run(prompt, SelectionConfig(selector="all", row_bucket=16), num_probes=1).trace
+    s, e = prompt.roles.prefix_len, prompt.roles.suffix_start
+    np.testing.assert_allclose(np.asarray(reused["k"][0, s:e]), np.asarray(exact["k"][0, s:e]), **TOL)
+    np.testing.assert_allclose(np.asarray(reused["v"][0, s:e]), np.asarray(exact["v"][0, s:e]), **TOL)
