@@ -131,3 +131,23 @@ def test_retention_shapes_are_checked():
     with pytest.raises(ConfigError, match=r"duration_ms=inf must be None"):
         TokenRangeRetentionConfig(0, 4, 50, duration_ms=float("inf"))
     assert KvCacheRetentionConfig([{"token_start": 0, "token_end": 4, "priority": 90}]).priority_at(1) == (90, None)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("recompute_ratio", "0.5", r"recompute_ratio='0.5' must be a number in \[0, 1\]"),
+        ("recompute_ratio", True, r"recompute_ratio=True must be a number in \[0, 1\]"),
+        ("recompute_ratio", 1.5, r"recompute_ratio=1.5 must be a number in \[0, 1\]"),
+        ("check_layers", 3, r"check_layers=3 must be a list or tuple"),
+        ("check_layers", (0, 1, 2), r"check_layers=\(0, 1, 2\) must be strictly increasing layer indices >= 1"),
+        ("budgets", (2.0, "1.5", 1.0), r"budgets=\(2.0, '1.5', 1.0\) must be numbers, one per check layer \(3\)"),
+        ("row_bucket", True, r"row_bucket=True must be an int >= 1"),
+        ("selector", "best", r"selector='best' must be one of"),
+    ],
+)
+def test_selection_config_rejects(field, value, message):
+    from kvjax.blend.selection import SelectionConfig
+
+    with pytest.raises(ConfigError, match=message):
+        SelectionConfig(**{field: value})

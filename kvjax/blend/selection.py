@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.config import ConfigError
+
 Deviation = Literal["k", "v", "kv"]
 DEVIATIONS = ("k", "v", "kv")
 SELECTORS = ("cacheblend", "random", "oracle", "first_k", "none", "all", "prefix")
@@ -58,20 +60,41 @@ class SelectionConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.selector not in SELECTORS:
-            raise ValueError(f"selector={self.selector!r} must be one of {SELECTORS}")
-        if not 0.0 <= self.recompute_ratio <= 1.0:
-            raise ValueError(f"recompute_ratio={self.recompute_ratio} must lie in [0, 1]")
-        if not self.check_layers or self.check_layers[0] < 1 or list(self.check_layers) != sorted(set(self.check_layers)):
-            raise ValueError(f"check_layers={self.check_layers} must be strictly increasing layer indices >= 1")
-        if len(self.budgets) != len(self.check_layers):
-            raise ValueError(f"budgets={self.budgets} must have one entry per check layer ({len(self.check_layers)})")
-        if any(b < a for a, b in zip(self.budgets[1:], self.budgets)) or self.budgets[-1] != 1.0 or min(self.budgets) < 1.0:
-            raise ValueError(f"budgets={self.budgets} must be non-increasing, >= 1.0, and end at 1.0")
-        if self.deviation not in DEVIATIONS:
-            raise ValueError(f"deviation={self.deviation!r} must be one of {DEVIATIONS}")
-        if self.row_bucket < 1:
-            raise ValueError(f"row_bucket={self.row_bucket} must be >= 1")
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        for name in ("check_layers", "budgets"):
+            value = getattr(self, name)
+            require(isinstance(value, (list, tuple)), f"{name}={value!r} must be a list or tuple")
+            object.__setattr__(self, name, tuple(value))
+        require(isinstance(self.selector, str) and self.selector in SELECTORS, f"selector={self.selector!r} must be one of {SELECTORS}")
+        require(
+            number(self.recompute_ratio) and 0.0 <= self.recompute_ratio <= 1.0,
+            f"recompute_ratio={self.recompute_ratio!r} must be a number in [0, 1]",
+        )
+        require(
+            all(isinstance(c, int) and not isinstance(c, bool) for c in self.check_layers)
+            and bool(self.check_layers) and self.check_layers[0] >= 1 and list(self.check_layers) == sorted(set(self.check_layers)),
+            f"check_layers={self.check_layers!r} must be strictly increasing layer indices >= 1",
+        )
+        require(
+            all(number(b) for b in self.budgets) and len(self.budgets) == len(self.check_layers),
+            f"budgets={self.budgets!r} must be numbers, one per check layer ({len(self.check_layers)})",
+        )
+        require(
+            all(b <= a for a, b in zip(self.budgets, self.budgets[1:])) and self.budgets[-1] == 1.0 and min(self.budgets) >= 1.0,
+            f"budgets={self.budgets} must be non-increasing, >= 1.0, and end at 1.0",
+        )
+        require(self.deviation in DEVIATIONS, f"deviation={self.deviation!r} must be one of {DEVIATIONS}")
+        require(
+            isinstance(self.row_bucket, int) and not isinstance(self.row_bucket, bool) and self.row_bucket >= 1,
+            f"row_bucket={self.row_bucket!r} must be an int >= 1",
+        )
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool), f"seed={self.seed!r} must be an int")
 
 
 @dataclasses.dataclass(frozen=True)
