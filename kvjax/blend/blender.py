@@ -1,7 +1,7 @@
 """Evaluation harness: every prefill policy of one prompt as requests of an ``Engine``.
 
-``Blender`` owns no pool and no decode loop: full recompute is an ordinary engine request
-(its own cache scope, so nothing is reused); every other policy is a blended request
+``Blender`` owns no pool and no decode loop: every run gets a cache scope of its own, so no
+run reuses another's KV; full recompute is an ordinary engine request; every other policy is a blended request
 (``Engine.submit(..., chunks=ChunkReuse(...))``) whose ``SelectionConfig.selector`` is the
 reuse mode: "prefix" (prefix caching), "none" (full reuse), "all" (every non-prefix token
 recomputed), "cacheblend", "random", "oracle", "first_k". Teacher forcing feeds a
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import secrets
 from collections.abc import Sequence
 
 import numpy as np
@@ -130,6 +131,7 @@ class Blender:
         if isinstance(token_bucket, bool) or not isinstance(token_bucket, int) or token_bucket < 1:
             raise ValueError(f"token_bucket={token_bucket!r} must be an int >= 1")
         self.store, self.engine, self.token_bucket = store, store.engine, token_bucket
+        self._nonce = secrets.token_hex(4)  # runs of two Blenders (or a restored snapshot) never share a scope
         self._runs = itertools.count()
 
     def check_prompt(self, prompt: BlendPrompt, extra: int = 0) -> None:
@@ -165,7 +167,7 @@ class Blender:
         feed = check_token_ids(feed, "feed", self.engine.model.config.vocab_size)
         self.check_prompt(prompt, len(feed) + max_new_tokens)
         tokens = [*prompt.tokens.tolist(), *feed]
-        scope = f"eval-{next(self._runs)}"
+        scope = f"eval-{self._nonce}-{next(self._runs)}"
         sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, return_logits=True)
         if isinstance(policy, str):
             if policy != FULL_RECOMPUTE or feed or num_probes:

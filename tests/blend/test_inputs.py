@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax.blend import selection
-from kvjax.blend.blender import FULL_RECOMPUTE, BlendPrompt
+from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import ChunkReuse
 from kvjax.sampling import SamplingParams
@@ -169,3 +169,19 @@ def test_user_salts_cannot_reach_chunk_or_blend_scopes(small, engine_store):
     tokens = prompt.tokens.tolist()
     assert engine.manager.estimate_reusable_tokens(tokens, cache_salt=salt) >= 32
     assert engine.generate([tokens], SamplingParams(max_new_tokens=1), cache_salt=str(salt))[0].num_reused_tokens == 0
+
+
+def test_snapshots_hold_chunk_blocks(small, tmp_path):
+    from kvjax.snapshot import restore_snapshot, save_snapshot
+
+    cfg, params = small
+    prompt = random_prompt(np.random.default_rng(8), cfg.vocab_size, 5, [40, 30], 6)
+    blender = make_blender(cfg, params, prompt, max_tokens=128)
+    before = blender.run(prompt, FULL).logits
+    save_snapshot(blender.engine, tmp_path)
+    restored = ChunkStore(tiny_engine(cfg, params, max_seq_len=128), variant="system", prefix_tokens=prompt.prefix)
+    restore_snapshot(restored.engine, tmp_path)
+    assert all(restored.num_cached(c) == len(c) for c in prompt.chunks)
+    run = Blender(restored, token_bucket=64).run(prompt, FULL)
+    assert run.report.chunk_hit == sum(len(c) for c in prompt.chunks) and restored.stats.computed == 0
+    np.testing.assert_array_equal(run.logits, before)
