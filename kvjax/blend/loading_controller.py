@@ -1,4 +1,4 @@
-"""Loading controller: recompute ratio and storage tier from a cost model (SPEC C6).
+"""Loading controller: recompute ratio and storage tier from a cost model.
 
 Per layer, loading a prompt's reused KV from a tier takes
 ``latency + tokens · bytes_per_token_layer / bandwidth``; recomputing ``ratio`` of the tokens

@@ -1,4 +1,4 @@
-"""RoPE repositioning of stored chunk keys (SPEC C2).
+"""RoPE repositioning of stored chunk keys.
 
 A chunk's KV is precomputed with the chunk starting at ``stored_start`` (0, 1 behind BOS,
 or the length of the shared system prompt). RoPE rotations compose, so moving the chunk

@@ -1,4 +1,4 @@
-"""Which tokens a blended prefill recomputes (SPEC C4).
+"""Which tokens a blended prefill recomputes.
 
 Token roles in one blended prompt (T = padded token count)::
 

@@ -8,11 +8,14 @@ import numpy as np
 
 from kvjax.blend.blender import Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore, Variant
+from kvjax.blend.engine_blend import ChunkReuse
+from kvjax.blend.selection import SelectionConfig
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.config import ModelConfig
 from kvjax.model.registry import Model
 from kvjax.model.transformer import Params
+from kvjax.sampling import SamplingParams
 
 
 def random_prompt(
@@ -45,3 +48,8 @@ def make_blender(
     for chunk in prompt.chunks:
         store.put(chunk)
     return Blender(store, token_bucket=64)
+
+
+def submit_blended(store: ChunkStore, prompt: BlendPrompt, selection: SelectionConfig, sampling: SamplingParams) -> str:
+    """Submits ``prompt`` to ``store.engine`` as a blended request over its chunk spans; returns its id."""
+    return store.engine.submit(prompt.tokens.tolist(), sampling, chunks=ChunkReuse(store, prompt.roles.chunk_spans, selection))

@@ -11,7 +11,7 @@ from experiments.workloads.rag import make_examples
 from kvjax.blend import selection
 from kvjax.blend.blender import BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
-from kvjax.blend.engine_blend import ChunkReuse
+from kvjax.testing.blend import submit_blended
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.sampling import SamplingParams
@@ -25,10 +25,6 @@ FULL = selection.SelectionConfig(recompute_ratio=1.0)
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def submit_blended(store: ChunkStore, prompt: BlendPrompt, config: selection.SelectionConfig, sampling: SamplingParams) -> str:
-    return store.engine.submit(prompt.tokens.tolist(), sampling, chunks=ChunkReuse(store, prompt.roles.chunk_spans, config))
 
 
 def make_engine(model, *, max_tokens: int, host_pages: int = 0, max_seq_len: int = 1024) -> Engine:

@@ -15,7 +15,7 @@ from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import ChunkReuse
 from kvjax.sampling import SamplingParams
-from kvjax.testing.blend import make_blender, random_prompt, tiny_engine
+from kvjax.testing.blend import make_blender, random_prompt, submit_blended, tiny_engine
 from kvjax.testing.tiny import tiny_model
 
 RTOL = 1e-5
@@ -26,10 +26,6 @@ FULL = selection.SelectionConfig(recompute_ratio=1.0, check_layers=(1,), budgets
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def submit_blended(store: ChunkStore, prompt: BlendPrompt, config: selection.SelectionConfig, sampling: SamplingParams) -> str:
-    return store.engine.submit(prompt.tokens.tolist(), sampling, chunks=ChunkReuse(store, prompt.roles.chunk_spans, config))
 
 
 @pytest.fixture(scope="module")

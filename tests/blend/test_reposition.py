@@ -1,4 +1,4 @@
-"""RoPE repositioning (SPEC C2): rotated stored keys equal keys computed at the new positions.
+"""RoPE repositioning: rotated stored keys equal keys computed at the new positions.
 
 Tolerance: float32 RoPE angles at position p carry ~p·eps rad of rounding, so a composed
 rotation (p, then delta) and a direct one (p + delta) agree to ~1e-4 absolute at p ~ 1000.
