@@ -12,6 +12,7 @@ from kvjax.engine import Engine
 from kvjax.sampling import SamplingParams
 from kvjax.testing.numpy_forward import numpy_logits
 from kvjax.testing.paged import chunked_logits
+from kvjax.testing.sentencepiece_oracle import gemma_sentencepiece
 
 pytestmark = pytest.mark.real_model
 
@@ -37,26 +38,7 @@ def test_architecture_from_gguf(gemma):
 
 
 def test_tokenizer_round_trip_and_sentencepiece_parity(gemma, reference_text):
-    import gguf
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    reader = gguf.GGUFReader(gemma.path)
-    proto = pb.ModelProto()
-    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
-    proto.trainer_spec.byte_fallback = True
-    proto.normalizer_spec.name = "identity"
-    proto.normalizer_spec.add_dummy_prefix = False
-    proto.normalizer_spec.remove_extra_whitespaces = False
-    proto.normalizer_spec.escape_whitespaces = True
-    fields = ("tokens", "scores", "token_type")
-    for piece, score, kind in zip(*(reader.fields[f"tokenizer.ggml.{f}"].contents() for f in fields)):
-        p = proto.pieces.add()
-        # llama.cpp's converter wrote "▁" as " " in user-defined pieces (runs of 2-31 spaces);
-        # Gemma's tokenizer.model spells them "▁▁"..., the only spelling SentencePiece matches.
-        user_defined = kind == pb.ModelProto.SentencePiece.USER_DEFINED
-        p.piece, p.score, p.type = piece.replace(" ", "▁") if user_defined else piece, score, kind
-    reference = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    reference = gemma_sentencepiece(gemma.path)
     space_runs = "def f():\n    return  1" + " " * 40
     for text in (reference_text, "a   b\t\tc\n\n\n naïve café — 東京 2024!", space_runs):
         ids = gemma.tokenizer.encode(text, add_bos=False)
