@@ -35,6 +35,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.decode_batches = (1, 8)
     config.decode_context = 128  # prompt tokens before decoding
     config.decode_tokens = 64  # decode steps timed per round
+    config.attn_impl = "blocked"  # kvjax.attention impl: auto | blocked | reference
 
     config.kv_cache = ml_collections.ConfigDict()
     config.kv_cache.tokens_per_block = 32

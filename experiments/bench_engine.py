@@ -79,6 +79,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     engine = Engine(
         model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(**config.scheduler.to_dict()),
         max_seq_len=max(config.prompt_tokens, *config.prefill_lengths, config.decode_context + config.decode_tokens + 1) + 64,
+        attn_impl=config.attn_impl,
     )
     rng = np.random.default_rng(config.seed)
     limits = machine_limits()

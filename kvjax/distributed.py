@@ -44,8 +44,8 @@ The model code is unchanged: ``kvjax.model.transformer.forward`` and the CacheBl
 are ordinary jitted functions, and XLA's SPMD partitioner (``AxisType.Auto`` mesh axes)
 splits them from the shardings of their inputs. Attention is the exception:
 ``sharded_forward`` passes the mesh down, and ``kvjax.attention`` runs the chosen
-implementation (a Pallas kernel on TPU/GPU, the blocked XLA one on CPU) per device under
-``shard_map``, since the partitioner cannot split a kernel's custom call.
+implementation (a Pallas kernel on TPU/GPU, the XLA reference or the blocked one on CPU) per
+device under ``shard_map``, since the partitioner cannot split a kernel's custom call.
 
 Multi-host: call ``initialize_distributed()`` first in every process, then build the mesh
 from ``jax.devices()`` (all hosts' devices) as on one host.

@@ -12,8 +12,8 @@ Cases (8 devices; mesh = pages x kv from ``kvjax.distributed.make_mesh``):
   gqa3   3 KV heads (SmolLM2's) -> pages 8 x kv 1 (KV heads do not divide 8), windowed layers
   mqa1   1 KV head (Gemma 3's) -> pages 8 x kv 1, windowed layers
   gqa3_on3  3 KV heads on 3 of the 8 devices -> pages 1 x kv 3
-The sharded runs use ``sharded_forward``'s default attention (the blocked XLA implementation
-per device under ``shard_map``); ``kernel_gqa4`` runs the Pallas GPU kernel (interpret mode)
+The sharded runs use ``sharded_forward``'s default attention (on CPU the XLA reference, per
+device under ``shard_map``); ``kernel_gqa4`` runs the Pallas GPU kernel (interpret mode)
 under ``shard_map`` on the pages 2 x kv 4 mesh.
 """
 
