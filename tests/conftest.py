@@ -5,21 +5,16 @@ from __future__ import annotations
 import os
 import pathlib
 
-import jax
 import numpy as np
 import pytest
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
-# Compiled XLA executables persist across the child processes (notebook kernels, subprocess
-# tests) through these environment variables. The suite's own long-lived process keeps its
-# executables in memory only: after ~400 tests, jaxlib 0.10 segfaulted there while
-# (de)serialising a Gemma 3 step executable to the persistent cache (in a fresh process the
-# same executable round-trips fine).
+# Compiled XLA executables persist across processes (notebook kernels, subprocess tests,
+# reruns): the environment variables reach child processes, jax.config this one.
 _XLA_CACHE = pathlib.Path(os.environ.get("KVJAX_CACHE_DIR", pathlib.Path.home() / ".cache" / "kvjax")) / "xla"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_XLA_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
-jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture(scope="session")
