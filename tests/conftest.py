@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -15,6 +16,16 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 _XLA_CACHE = pathlib.Path(os.environ.get("KVJAX_CACHE_DIR", pathlib.Path.home() / ".cache" / "kvjax")) / "xla"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_XLA_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's in-memory compiled programs after each test module. Kept for the whole
+    run, ~400 tests' executables made jaxlib 0.10 segfault inside a later compile (three runs,
+    at different tests; each test passes in a fresh process); the persistent cache makes the
+    recompiles cheap."""
+    yield
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
