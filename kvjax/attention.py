@@ -2,10 +2,10 @@
 
 ``impl``:
   "auto"       the TPU kernel on TPU, the GPU kernel on GPU, the XLA reference elsewhere
-               (CPU). The blocked implementation is faster on CPU but opt-in for now: in
-               the test suite's long-lived process jaxlib 0.10 segfaulted compiling a
-               Gemma 3 engine step (sliding windows) after ~400 tests, which a fresh process
-               does not; until that is understood the default stays on the reference.
+               (CPU). The blocked implementation is faster on CPU but opt-in until a full
+               test run with it as the default has been verified (the suite's long-lived
+               process segfaulted inside jaxlib compiles after ~400 tests, with either
+               implementation as the default).
   "blocked"    the blocked, flash-style XLA implementation
                (``pallas_kernels/partial_attention/blocked.py``): online softmax over key
                blocks, work proportional to the sequence's length.
