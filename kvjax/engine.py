@@ -49,7 +49,7 @@ from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, choose_cache_size, init_pool, require_fits
 from kvjax.cache.pool import copy_pages, read_pages, write_pages
 from kvjax.config import ConfigError, KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, as_retention_config
-from kvjax.manager import KVCacheManager, MultimodalItem, PageOp
+from kvjax.manager import KVCacheManager, MultimodalItem, PageOp, hashing
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
 from kvjax.model.registry import Model
 from kvjax.model.transformer import forward
@@ -79,29 +79,17 @@ def prefill_bucket(n: int) -> int:
 
 
 def check_token_ids(token_ids: object, vocab_size: int, field: str = "prompt_token_ids") -> tuple[int, ...]:
-    """``token_ids`` as a tuple of Python ints, or a ``ValueError`` naming ``field``.
+    """A prompt's ids as a tuple of Python ints, or a ``ValueError`` naming ``field``.
 
-    Accepts a sequence of Python/NumPy integers or a 1-D integer array; rejects strings,
-    bools, floats (even integral ones: ``5.0`` is a caller's bug, not a token), nested
-    sequences, empty inputs and ids outside ``[0, vocab_size)``.
+    The manager's id check (``kvjax.manager.hashing.check_token_ids``: ints only, no bools or
+    floats, in ``[0, vocab_size)``) plus what a prompt needs besides: not empty, and an array
+    only if it is 1-D.
     """
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
-        raise ValueError(f"{field} must be a sequence of int token ids, got {type(token_ids).__name__}")
-    if isinstance(token_ids, np.ndarray) or hasattr(token_ids, "dtype"):
-        array = np.asarray(token_ids)
-        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"{field} must be a 1-D integer array, got shape {array.shape} dtype {array.dtype}")
-        ids = tuple(int(t) for t in array)
-    else:
-        wrong = [t for t in token_ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
-        if wrong:
-            raise ValueError(f"{field} must hold int token ids; got {wrong[:5]!r} ({type(wrong[0]).__name__})")
-        ids = tuple(int(t) for t in token_ids)
+    if hasattr(token_ids, "ndim") and token_ids.ndim != 1:
+        raise ValueError(f"{field} must be a 1-D sequence of token ids, got shape {token_ids.shape}")
+    ids = hashing.check_token_ids(token_ids, field, vocab_size)
     if not ids:
         raise ValueError(f"{field} must not be empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{field} contains {bad[:5]}: token ids must be in [0, {vocab_size})")
     return ids
 
 

@@ -78,7 +78,7 @@ def test_bad_input_is_rejected_without_side_effects(smollm2):
     engine = make_engine(smollm2)
     with pytest.raises(ValueError, match="must not be empty"):
         engine.submit([])
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 49152\)"):
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[2\]=49152 must be an int token id in \[0, 49151\]"):
         engine.submit([1, 2, 49152])
     with pytest.raises(ValueError, match="exceeds max_seq_len=512"):
         engine.submit([1] * 500, SamplingParams(max_new_tokens=20))

@@ -108,7 +108,7 @@ def test_submit_with_chunks_refuses_bad_inputs_before_touching_anything(small, e
     tokens = [*prefix, *draw(30)]
     cases = [
         ((*prefix, *draw(5), cfg.vocab_size, 3), ChunkReuse(store, ((5, 10),), FULL), GREEDY,
-         rf"prompt_token_ids contains \[{cfg.vocab_size}\]: token ids must be in \[0, {cfg.vocab_size}\)"),
+         rf"prompt_token_ids\[\d+\]={cfg.vocab_size} must be an int token id in \[0, {cfg.vocab_size - 1}\]"),
         (tokens, ChunkReuse(store, ((5, 40),), FULL), GREEDY, r"chunks.spans\[0\]=\(5, 40\) must be non-empty.*<= 34"),
         (tokens, ChunkReuse(store, ((5, 20), (10, 30)), FULL), GREEDY, r"chunks.spans\[1\]=\(10, 30\).*>= 20"),
         (tokens, ChunkReuse(store, ((5, 30),), FULL, num_prompt_logits=9), GREEDY, r"chunks.num_prompt_logits=9"),
