@@ -1,4 +1,5 @@
-"""Validated, frozen configuration of the KV cache, its retention policy and the scheduler.
+"""Validated, frozen configuration of the KV cache, its retention policy, the scheduler and
+speculative decoding.
 
 Field names and defaults follow TensorRT-LLM's ``KvCacheConfig`` (see SPEC A/B). Every
 dataclass validates itself at construction: a bad value raises ``ConfigError`` naming the
@@ -265,6 +266,51 @@ class SchedulerConfig:
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> SchedulerConfig:
         return _from_mapping(cls, mapping, "scheduler_config")
+
+
+SPECULATIVE_METHODS = ("ngram", "early_exit")
+MAX_DRAFT_TOKENS = 16
+"""Longest draft a step verifies (the verification forward runs 1 + k query rows per sequence)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: a drafter proposes tokens, one forward of the model verifies them.
+
+    Attributes:
+      method: "ngram" (prompt lookup: the tokens that followed the most recent earlier
+        occurrence of the context's last n tokens) or "early_exit" (self-speculation: the
+        model's first ``exit_layer`` layers and its LM head, over the same paged cache).
+      num_draft_tokens: k, tokens drafted per decode step, in [1, MAX_DRAFT_TOKENS].
+      ngram_sizes: (min, max) n of the prompt lookup, 1 <= min <= max; the longest n that
+        matches wins ("ngram" only).
+      exit_layer: m, layers the early-exit drafter runs, in [1, num_layers - 1] (checked
+        against the model by the engine; "early_exit" only).
+    """
+
+    method: Literal["ngram", "early_exit"] = "ngram"
+    num_draft_tokens: int = 4
+    ngram_sizes: tuple[int, int] = (1, 3)
+    exit_layer: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS, f"method={self.method!r} must be one of {SPECULATIVE_METHODS}")
+        k = self.num_draft_tokens
+        _require(_is_int(k) and 1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens={k!r} must be an int in [1, {MAX_DRAFT_TOKENS}]")
+        sizes = _as_tuple("ngram_sizes", self.ngram_sizes, "two ints (min n, max n)")
+        object.__setattr__(self, "ngram_sizes", sizes)
+        _require(
+            len(sizes) == 2 and all(_is_int(n) for n in sizes) and 1 <= sizes[0] <= sizes[1],
+            f"ngram_sizes={sizes!r} must be two ints (min n, max n) with 1 <= min <= max",
+        )
+        _require(_is_int(self.exit_layer) and self.exit_layer >= 1, f"exit_layer={self.exit_layer!r} must be an int >= 1")
+
+    def check_model(self, num_layers: int) -> None:
+        """Raises ConfigError if ``exit_layer`` does not leave at least one layer to skip."""
+        _require(
+            self.method != "early_exit" or self.exit_layer <= num_layers - 1,
+            f"exit_layer={self.exit_layer} must be in [1, {num_layers - 1}] for a model of {num_layers} layers",
+        )
 
 
 def load_llm_config(source: Mapping[str, Any] | str) -> tuple[KvCacheConfig, SchedulerConfig]:
