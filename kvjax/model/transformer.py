@@ -169,7 +169,7 @@ def attend_layer(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "logits_mode", "attn_impl", "mesh"), donate_argnames=("pool",)
+    jax.jit, static_argnames=("cfg", "layout", "logits_mode", "attn_impl", "mesh", "exit_layer"), donate_argnames=("pool",)
 )
 def forward(
     params: Params,
@@ -184,6 +184,7 @@ def forward(
     logits_mode: LogitsMode = "last",
     attn_impl: attention.Impl = "auto",
     mesh: Mesh | None = None,
+    exit_layer: int | None = None,
 ) -> tuple[jax.Array | None, PagePool]:
     """Runs the step's tokens through the model, writing their K/V into the pool.
 
@@ -198,13 +199,16 @@ def forward(
         "none" -> None (prefill of a chunk that is not the last).
       mesh: the mesh ``pool`` is sharded over (``kvjax.distributed``): attention runs per
         device under ``shard_map``; None = unsharded.
+      exit_layer: early exit (self-speculative drafting): run only layers ``[0, exit_layer)``,
+        write K/V of those layers only, and apply the final norm and LM head to their output.
+        None = every layer.
 
     Returns:
       (logits float32 or None, updated pool).
     """
     x = embed_tokens(params, cfg, tokens)
     pool_k, pool_v = list(pool.k), list(pool.v)
-    for layer, lp in enumerate(params.layers):
+    for layer, lp in enumerate(params.layers[:exit_layer]):
         x, pool_k[layer], pool_v[layer] = attend_layer(
             lp, cfg, layout, layer, pool_k[layer], pool_v[layer], x, positions,
             block_tables[layout.layer_group[layer]], lengths, attn_impl, mesh,
