@@ -22,7 +22,8 @@ DEFAULT_PRIORITY = 35
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+KV_SCALE_GRANULARITIES = ("token", "page")
 
 
 class ConfigError(ValueError):
@@ -147,7 +148,12 @@ class KvCacheConfig:
 
     Attributes:
       tokens_per_block: tokens in one page/block (power of two, 1..1024).
-      dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
+      dtype: "auto" (the model's dtype), "float32", "bfloat16", "float16", or quantized
+        "int8" / "fp8" (float8_e4m3fn): quantized values plus float32 scales, quantized when
+        KV is written and dequantized inside attention.
+      scale_granularity: scales of a quantized dtype: "token" (one per token and KV head,
+        4 bytes per token, layer and KV head) or "page" (one per page and KV head, the
+        page's running absmax); ignored by the float dtypes.
       free_gpu_memory_fraction: share of free device memory given to the cache, in (0, 1).
       max_tokens: cap on cached tokens; with the fraction, the smaller size wins.
       free_memory_bytes: the free memory to size against where the backend cannot tell
@@ -165,6 +171,7 @@ class KvCacheConfig:
 
     tokens_per_block: int = 32
     dtype: str = "auto"
+    scale_granularity: str = "token"
     free_gpu_memory_fraction: float = 0.9
     max_tokens: int | None = None
     free_memory_bytes: int | None = None
@@ -184,6 +191,10 @@ class KvCacheConfig:
             f"tokens_per_block={t!r} must be a power of two in [1, 1024]",
         )
         _require(isinstance(self.dtype, str) and self.dtype in KV_DTYPES, f"dtype={self.dtype!r} must be one of {KV_DTYPES}")
+        _require(
+            isinstance(self.scale_granularity, str) and self.scale_granularity in KV_SCALE_GRANULARITIES,
+            f"scale_granularity={self.scale_granularity!r} must be one of {KV_SCALE_GRANULARITIES}",
+        )
         f = self.free_gpu_memory_fraction
         _require(
             _is_number(f) and 0.0 < f < 1.0,
