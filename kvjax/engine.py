@@ -47,7 +47,7 @@ import numpy as np
 
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, choose_cache_size, init_pool, require_fits
-from kvjax.cache.pool import copy_pages, read_pages, write_pages
+from kvjax.cache.pool import copy_pages, load_host_pages, read_pages, store_host_pages, write_pages
 from kvjax.config import ConfigError, KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, as_retention_config
 from kvjax.manager import KVCacheManager, MultimodalItem, PageOp, hashing
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
@@ -201,6 +201,7 @@ class Engine:
         probe = CacheLayout(
             layer_windows=windows, num_pages=(2,) * len(dict.fromkeys(windows)), page_size=page,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_seq_len=self.max_seq_len, dtype=dtype,
+            scale_granularity=kv_cache_config.scale_granularity,
         )
         self.cache_size: CacheSize = choose_cache_size(kv_cache_config, probe.bytes_per_token)
         num_pages = probe.pages_for(self.cache_size.num_tokens) + 1
@@ -481,12 +482,11 @@ class Engine:
         if kind == "copy":
             self.pool = copy_pages(self.pool, self.layout, group, jnp.asarray(src), jnp.asarray(dst))
         elif kind == "offload":
-            kv = np.asarray(read_pages(self.pool, self.layout, group, jnp.asarray(src)))
-            self.host_pools[group][:, :, dst[: len(ops)]] = kv[:, :, : len(ops)]
+            kv = jax.device_get(read_pages(self.pool, self.layout, group, jnp.asarray(src)))
+            store_host_pages(self.host_pools[group], dst[: len(ops)], kv)
         elif kind == "onboard":
-            kv = np.zeros((2, self.layout.group_layers[group], n, *self.host_pools[group].shape[3:]), self.host_pools[group].dtype)
-            kv[:, :, : len(ops)] = self.host_pools[group][:, :, src[: len(ops)]]
-            self.pool = write_pages(self.pool, self.layout, group, jnp.asarray(dst), jnp.asarray(kv))
+            kv = load_host_pages(self.host_pools[group], src[: len(ops)], n)
+            self.pool = write_pages(self.pool, self.layout, group, jnp.asarray(dst), kv)
         else:
             raise ValueError(f"page op kind={kind!r} must be 'copy', 'offload' or 'onboard'")
 
