@@ -1,7 +1,20 @@
-"""Device side of the paged KV cache: layout, page pool pytree, pure page ops, sizing."""
+"""Device side of the paged KV cache: layout, page pool pytree, pure page ops, quantized pages, sizing."""
 
 from kvjax.cache.layout import NULL_PAGE, CacheLayout
-from kvjax.cache.pool import PagePool, copy_pages, init_pool, read_pages, slot_mapping, write_layer, write_pages
+from kvjax.cache.pool import (
+    PagePool,
+    Pages,
+    copy_pages,
+    init_pool,
+    load_host_pages,
+    read_pages,
+    read_slots,
+    slot_mapping,
+    store_host_pages,
+    write_layer,
+    write_pages,
+)
+from kvjax.cache.quant import QUANTIZED_DTYPES, SCALE_GRANULARITIES, QuantizedPages, dequantize_pages
 from kvjax.cache.sizing import CacheSize, choose_cache_size, free_device_memory, require_fits
 
 __all__ = [
@@ -9,13 +22,21 @@ __all__ = [
     "CacheLayout",
     "CacheSize",
     "PagePool",
+    "Pages",
+    "QUANTIZED_DTYPES",
+    "QuantizedPages",
+    "SCALE_GRANULARITIES",
     "choose_cache_size",
     "copy_pages",
+    "dequantize_pages",
     "free_device_memory",
     "init_pool",
+    "load_host_pages",
     "read_pages",
+    "read_slots",
     "require_fits",
     "slot_mapping",
+    "store_host_pages",
     "write_layer",
     "write_pages",
 ]

@@ -20,6 +20,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache.quant import KV_STORAGE_DTYPES, QUANTIZED_DTYPES, SCALE_DTYPE, SCALE_GRANULARITIES, QuantizedPages
+
 NULL_PAGE = 0
 """Page 0 of every pool is never handed out: block tables point padding and released
 (out-of-window) blocks at it, and padding tokens write into it. Its contents are garbage
@@ -36,7 +38,10 @@ class CacheLayout:
       page_size: tokens per page.
       num_kv_heads, head_dim: KV geometry.
       max_seq_len: longest sequence; a window >= max_seq_len means full attention.
-      dtype: storage dtype name ("float32", "bfloat16", "float16").
+      dtype: KV dtype name: "float32", "bfloat16", "float16", or the quantized "int8" /
+        "fp8" (float8_e4m3fn values plus float32 scales, see ``kvjax.cache.quant``).
+      scale_granularity: scales of a quantized dtype, "token" (per token and KV head) or
+        "page" (per page and KV head); ignored by the float dtypes.
     """
 
     layer_windows: tuple[int, ...]
@@ -46,8 +51,13 @@ class CacheLayout:
     head_dim: int
     max_seq_len: int
     dtype: str = "float32"
+    scale_granularity: str = "token"
 
     def __post_init__(self) -> None:
+        if self.dtype not in KV_STORAGE_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {tuple(KV_STORAGE_DTYPES)}")
+        if self.scale_granularity not in SCALE_GRANULARITIES:
+            raise ValueError(f"scale_granularity={self.scale_granularity!r} must be one of {SCALE_GRANULARITIES}")
         if len(self.num_pages) != self.num_groups:
             raise ValueError(
                 f"num_pages has {len(self.num_pages)} entries but the windows {self.group_windows} "
@@ -79,17 +89,38 @@ class CacheLayout:
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
+        """Dtype of the stored K/V values (int8 / float8_e4m3fn for the quantized dtypes)."""
+        return KV_STORAGE_DTYPES[self.dtype]
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def scale_slots(self) -> int:
+        """Scales per page and KV head: page_size ("token"), 1 ("page"), 0 (float dtypes)."""
+        if not self.quantized:
+            return 0
+        return self.page_size if self.scale_granularity == "token" else 1
+
+    @property
+    def bytes_per_page_layer(self) -> int:
+        """K and V bytes of one page in one layer, scales included:
+        2 · kv_heads · (page_size · head_dim · bytes(dtype) + scale_slots · 4)."""
+        values = self.page_size * self.head_dim * self.jnp_dtype.itemsize
+        return 2 * self.num_kv_heads * (values + self.scale_slots * SCALE_DTYPE.itemsize)
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token over all layers: 2 · layers · kv_heads · head_dim · bytes(dtype)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.jnp_dtype.itemsize
+        """KV bytes of one token over all layers, scales included, rounded up to whole bytes:
+        ceil(layers · bytes_per_page_layer / page_size). For the float dtypes exactly
+        2 · layers · kv_heads · head_dim · bytes(dtype); per-token scales add 2 · layers ·
+        kv_heads · 4; per-page scales add that divided by page_size."""
+        return -(-self.num_layers * self.bytes_per_page_layer // self.page_size)
 
     def bytes_per_page(self, group: int) -> int:
-        """K and V bytes of one page of ``group`` (all layers of the group)."""
-        per_layer = 2 * self.page_size * self.num_kv_heads * self.head_dim * self.jnp_dtype.itemsize
-        return per_layer * self.group_layers[group]
+        """K and V bytes (scales included) of one page of ``group`` (all layers of the group)."""
+        return self.bytes_per_page_layer * self.group_layers[group]
 
     def pool_bytes(self) -> int:
         return sum(self.bytes_per_page(g) * n for g, n in enumerate(self.num_pages))
@@ -106,7 +137,13 @@ class CacheLayout:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def host_zeros(self, group: int, num_pages: int) -> np.ndarray:
-        """A host (numpy) pool for ``group`` of ``num_pages`` pages, K and V stacked on axis 0."""
-        shape = (2, self.group_layers[group], num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        return np.zeros(shape, dtype=self.jnp_dtype)
+    def host_zeros(self, group: int, num_pages: int) -> np.ndarray | QuantizedPages:
+        """A host (numpy) pool for ``group`` of ``num_pages`` pages, K and V stacked on axis 0:
+        [2, group_layers, num_pages, page_size, kv_heads, head_dim], or for a quantized dtype
+        ``QuantizedPages`` of such values and [2, group_layers, num_pages, scale_slots, kv_heads]
+        scales (the layout of ``kvjax.cache.pool.read_pages``)."""
+        lead = (2, self.group_layers[group], num_pages)
+        values = np.zeros((*lead, self.page_size, self.num_kv_heads, self.head_dim), dtype=self.jnp_dtype)
+        if not self.quantized:
+            return values
+        return QuantizedPages(values=values, scales=np.zeros((*lead, self.scale_slots, self.num_kv_heads), SCALE_DTYPE))

@@ -1,8 +1,11 @@
-"""The device page pool and pure, jittable operations on it (SPEC A1, A2).
+"""The device page pool and pure, jittable operations on it.
 
-A pool holds, per layer, K and V as ``[num_pages, page_size, num_kv_heads, head_dim]``; the
-layers of one group (same attention window) share page ids and a block table. Only KV heads are stored, so a token costs exactly
-``2 · layers · kv_heads · head_dim · bytes(dtype)``.
+A pool holds, per layer, K and V as ``[num_pages, page_size, num_kv_heads, head_dim]`` (or,
+for a quantized dtype, ``QuantizedPages`` of such values plus their scales, see
+``kvjax.cache.quant``); the layers of one group (same attention window) share page ids and a
+block table. Only KV heads are stored, so a token costs ``layout.bytes_per_token``:
+``2 · layers · kv_heads · head_dim · bytes(dtype)``, plus the scales of a quantized dtype.
+Every op here takes either kind of layer; a page's scales travel with its values.
 """
 
 from __future__ import annotations
@@ -12,8 +15,13 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache.layout import NULL_PAGE, CacheLayout
+from kvjax.cache.quant import QuantizedPages, init_quantized, write_quantized
+
+Pages = jax.Array | QuantizedPages
+"""One layer's K (or V) pages: a float array or quantized values with scales."""
 
 
 @flax.struct.dataclass
@@ -21,17 +29,24 @@ class PagePool:
     """K and V pages of every layer.
 
     Attributes:
-      k, v: one array per layer, [num_pages(group of the layer), page_size, num_kv_heads, head_dim].
+      k, v: one entry per layer, [num_pages(group of the layer), page_size, num_kv_heads,
+        head_dim] arrays, or ``QuantizedPages`` of that shape for a quantized dtype.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[Pages, ...]
+    v: tuple[Pages, ...]
+
+
+def _zeros(layout: CacheLayout, layer: int) -> Pages:
+    if layout.quantized:
+        return init_quantized(layout.page_shape(layer), layout.jnp_dtype, layout.scale_granularity)
+    return jnp.zeros(layout.page_shape(layer), layout.jnp_dtype)
 
 
 def init_pool(layout: CacheLayout) -> PagePool:
     """A zeroed pool for ``layout``."""
-    k = tuple(jnp.zeros(layout.page_shape(layer), layout.jnp_dtype) for layer in range(layout.num_layers))
-    v = tuple(jnp.zeros(layout.page_shape(layer), layout.jnp_dtype) for layer in range(layout.num_layers))
+    k = tuple(_zeros(layout, layer) for layer in range(layout.num_layers))
+    v = tuple(_zeros(layout, layer) for layer in range(layout.num_layers))
     return PagePool(k=k, v=v)
 
 
@@ -55,18 +70,33 @@ def slot_mapping(block_tables: jax.Array, positions: jax.Array, page_size: int) 
     return pages, offsets
 
 
-def write_layer(pages: jax.Array, page_ids: jax.Array, offsets: jax.Array, values: jax.Array) -> jax.Array:
-    """Scatters one layer's new K (or V) into its pages.
+def write_layer(pages: Pages, page_ids: jax.Array, offsets: jax.Array, values: jax.Array) -> Pages:
+    """Scatters one layer's new K (or V) into its pages (quantizing it for quantized pages).
 
     In-bounds is promised (padding maps to the null page): a bounds-checked scatter makes
     XLA select over the whole pool on every write.
 
     Args:
-      pages: [num_pages, page_size, num_kv_heads, head_dim].
+      pages: [num_pages, page_size, num_kv_heads, head_dim], or ``QuantizedPages``.
       page_ids, offsets: [max_seqs, num_tokens] from ``slot_mapping``.
       values: [max_seqs, num_tokens, num_kv_heads, head_dim].
     """
+    if isinstance(pages, QuantizedPages):
+        return write_quantized(pages, page_ids, offsets, values)
     return pages.at[page_ids, offsets].set(values.astype(pages.dtype), mode="promise_in_bounds")
+
+
+def read_slots(pages: Pages, page_ids: jax.Array, offsets: jax.Array) -> jax.Array:
+    """One layer's K (or V) at arbitrary slots, dequantized: [...] ids/offsets -> [..., num_kv_heads, head_dim]."""
+    if isinstance(pages, QuantizedPages):
+        scales = pages.scales[page_ids, _scale_slot(pages, offsets)]  # [..., K]
+        return pages.values[page_ids, offsets].astype(jnp.float32) * scales[..., None]
+    return pages[page_ids, offsets]
+
+
+def _scale_slot(pages: QuantizedPages, offsets: jax.Array) -> jax.Array:
+    """The scale slot of each offset: the offset itself (per-token scales) or 0 (per-page)."""
+    return offsets if pages.scales.shape[1] == pages.values.shape[1] else jnp.zeros_like(offsets)
 
 
 def _group_layers(layout: CacheLayout, group: int) -> list[int]:
@@ -81,24 +111,52 @@ def copy_pages(pool: PagePool, layout: CacheLayout, group: int, src: jax.Array, 
       src, dst: [num_copies] int32 page ids.
     """
     k, v = list(pool.k), list(pool.v)
+    copy = lambda a: a.at[dst].set(a[src])  # noqa: E731 (values and scales alike: page axis first)
     for layer in _group_layers(layout, group):
-        k[layer] = k[layer].at[dst].set(k[layer][src])
-        v[layer] = v[layer].at[dst].set(v[layer][src])
+        k[layer] = jax.tree.map(copy, k[layer])
+        v[layer] = jax.tree.map(copy, v[layer])
     return PagePool(k=tuple(k), v=tuple(v))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def read_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.Array) -> jax.Array:
-    """K and V of ``page_ids`` in ``group``: [2, group_layers, len(page_ids), page_size, kv_heads, head_dim]."""
+def read_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.Array) -> Pages:
+    """K and V of ``page_ids`` in ``group``, as stored (quantized pages keep their scales).
+
+    Returns:
+      [2, group_layers, len(page_ids), page_size, kv_heads, head_dim], or ``QuantizedPages``
+      of such values and [2, group_layers, len(page_ids), scale_slots, kv_heads] scales.
+    """
     layers = _group_layers(layout, group)
-    return jnp.stack([jnp.stack([pool.k[i][page_ids] for i in layers]), jnp.stack([pool.v[i][page_ids] for i in layers])])
+    stack = lambda *a: jnp.stack(a)  # noqa: E731
+    gather = lambda a: a[page_ids]  # noqa: E731
+    k = jax.tree.map(stack, *[jax.tree.map(gather, pool.k[i]) for i in layers])
+    v = jax.tree.map(stack, *[jax.tree.map(gather, pool.v[i]) for i in layers])
+    return jax.tree.map(stack, k, v)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=0)
-def write_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.Array, kv: jax.Array) -> PagePool:
+def write_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.Array, kv: Pages) -> PagePool:
     """Writes ``kv`` (as returned by ``read_pages``) into ``page_ids`` of ``group``."""
     k, v = list(pool.k), list(pool.v)
     for n, layer in enumerate(_group_layers(layout, group)):
-        k[layer] = k[layer].at[page_ids].set(kv[0, n].astype(k[layer].dtype))
-        v[layer] = v[layer].at[page_ids].set(kv[1, n].astype(v[layer].dtype))
+        k[layer] = jax.tree.map(lambda a, new: a.at[page_ids].set(new[0, n].astype(a.dtype)), k[layer], kv)
+        v[layer] = jax.tree.map(lambda a, new: a.at[page_ids].set(new[1, n].astype(a.dtype)), v[layer], kv)
     return PagePool(k=tuple(k), v=tuple(v))
+
+
+def store_host_pages(host: np.ndarray | QuantizedPages, slots: np.ndarray, kv: np.ndarray | QuantizedPages) -> None:
+    """Writes the first ``len(slots)`` pages of ``kv`` (``read_pages`` output, on the host) into
+    host pool slots ``slots``, in place (values and scales alike)."""
+    for h, a in zip(jax.tree.leaves(host), jax.tree.leaves(kv)):
+        h[:, :, slots] = a[:, :, : len(slots)]
+
+
+def load_host_pages(host: np.ndarray | QuantizedPages, slots: np.ndarray, num_pages: int) -> np.ndarray | QuantizedPages:
+    """Host pool slots ``slots`` as ``write_pages`` input, zero-padded to ``num_pages`` pages."""
+
+    def take(h: np.ndarray) -> np.ndarray:
+        out = np.zeros((*h.shape[:2], num_pages, *h.shape[3:]), h.dtype)
+        out[:, :, : len(slots)] = h[:, :, slots]
+        return out
+
+    return jax.tree.map(take, host)
