@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import NULL_PAGE, PagePool
+from kvjax.cache import NULL_PAGE, PagePool, Pages, read_slots
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.manager.hashing import InternalScope, check_token_ids
 from kvjax.sampling import SamplingParams
@@ -100,8 +100,8 @@ def gather_slots(pool: PagePool, page_ids: jax.Array, offsets: jax.Array, valid:
     """
     mask = valid[:, None, None]
 
-    def read(pages: jax.Array) -> jax.Array:
-        return jnp.where(mask, pages[page_ids, offsets], 0)  # [T, K, d]
+    def read(pages: Pages) -> jax.Array:
+        return jnp.where(mask, read_slots(pages, page_ids, offsets), 0)  # [T, K, d], quantized pages dequantized
 
     return jnp.stack([read(p) for p in pool.k]), jnp.stack([read(p) for p in pool.v])
 
