@@ -27,6 +27,11 @@ each first gathers its own pages of every sequence (others read as zeros) and on
 all-reduce over ``pages`` assembles each sequence's K/V run, which the kernel then reads
 through an identity block table. The pool itself is never all-gathered.
 
+Quantized pools: ``k_pages`` / ``v_pages`` may be ``kvjax.cache.QuantizedPages`` (int8 or
+float8_e4m3fn values with per-token or per-page scales); their values and scales go to the
+chosen implementation, which dequantizes inside attention. Over a mesh only float pages are
+supported for now.
+
 Shapes follow the glossary in ``pallas_kernels/__init__.py``.
 """
 
@@ -40,6 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec
+
+from kvjax.cache.quant import QuantizedPages
 
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.partial_attention import blocked
@@ -78,11 +85,23 @@ def _choose(impl: str, interpret_kernel: str) -> tuple[str, bool | pltpu.Interpr
     return "reference", False
 
 
+def _unpack(k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
+            mesh: Mesh | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(k values, v values, the kernels' ``k_scales``/``v_scales`` keywords; empty for float pages)."""
+    if isinstance(k_pages, QuantizedPages) != isinstance(v_pages, QuantizedPages):
+        raise ValueError("k_pages and v_pages must both be quantized (QuantizedPages) or both be arrays")
+    if not isinstance(k_pages, QuantizedPages):
+        return k_pages, v_pages, {}
+    if mesh is not None:
+        raise ValueError("quantized KV pages (int8 / fp8) over a device mesh are not supported; use a float KV dtype")
+    return k_pages.values, v_pages.values, {"k_scales": k_pages.scales, "v_scales": v_pages.scales}
+
+
 def partial_attention(
     q: jax.Array,
     q_positions: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
     lengths: jax.Array,
     page_indices: jax.Array,
     *,
@@ -95,6 +114,7 @@ def partial_attention(
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV; see ``partial_attention_ref`` for shapes."""
     kernel, interpret = _choose(impl, interpret_kernel)
+    k_pages, v_pages, scales = _unpack(k_pages, v_pages, mesh)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     if mesh is not None:
         local = functools.partial(partial_attention, **options, impl=impl, interpret_kernel=interpret_kernel)
@@ -102,18 +122,18 @@ def partial_attention(
                           q, k_pages, v_pages, lengths, page_indices, q_positions)
     args = (q, q_positions, k_pages, v_pages, lengths, page_indices)
     if kernel == "tpu":
-        return partial_tpu.partial_attention(*args, **options, interpret=interpret)
+        return partial_tpu.partial_attention(*args, **options, **scales, interpret=interpret)
     if kernel == "gpu":
-        return partial_gpu.partial_attention(*args, **options, interpret=interpret)
+        return partial_gpu.partial_attention(*args, **options, **scales, interpret=interpret)
     if kernel == "blocked":
-        return blocked.partial_attention(*args, **options)
-    return partial_attention_ref(*args, **options)
+        return blocked.partial_attention(*args, **options, **scales)
+    return partial_attention_ref(*args, **options, **scales)
 
 
 def paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
     lengths: jax.Array,
     page_indices: jax.Array,
     *,
@@ -126,18 +146,19 @@ def paged_attention(
 ) -> jax.Array:
     """Decode attention, one query per sequence; see ``paged_attention_ref`` for shapes."""
     kernel, interpret = _choose(impl, interpret_kernel)
+    k_pages, v_pages, scales = _unpack(k_pages, v_pages, mesh)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     if mesh is not None:
         local = functools.partial(paged_attention, **options, impl=impl, interpret_kernel=interpret_kernel)
         return _over_mesh(local, mesh, q, k_pages, v_pages, lengths, page_indices)
     args = (q, k_pages, v_pages, lengths, page_indices)
     if kernel == "tpu":
-        return paged_tpu.paged_attention(*args, **options, interpret=interpret)
+        return paged_tpu.paged_attention(*args, **options, **scales, interpret=interpret)
     if kernel == "gpu":
-        return paged_gpu.paged_attention(*args, **options, interpret=interpret)
+        return paged_gpu.paged_attention(*args, **options, **scales, interpret=interpret)
     if kernel == "blocked":
-        return blocked.paged_attention(*args, **options)
-    return paged_attention_ref(*args, **options)
+        return blocked.paged_attention(*args, **options, **scales)
+    return paged_attention_ref(*args, **options, **scales)
 
 
 def _over_mesh(

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention.tuned_sizes import block_sizes
 from pallas_kernels.partial_attention import common
-from pallas_kernels.partial_attention.gpu import MIN_DOT_ROWS, check_gpu_shapes, is_power_of_two
+from pallas_kernels.partial_attention.gpu import MIN_DOT_ROWS, check_gpu_shapes, gather_scales, is_power_of_two
 
 
 def _kernel(
@@ -33,15 +33,16 @@ def _kernel(
     v_pages_ref,  # [num_pages, page_size, head_dim]
     page_indices_ref,  # [pages_per_split] int32, this split's share of the block table
     lengths_ref,  # [1] int32
-    acc_ref,  # [rows, head_dim] float32, unnormalised numerator
-    m_ref,  # [rows] float32, running max
-    l_ref,  # [rows] float32, denominator
-    *,
+    *refs,
     pages_per_block: int,
     sm_scale: float,
     sliding_window: int | None,
     logit_soft_cap: float | None,
 ):
+    # refs: quantized pages' k_scales_ref, v_scales_ref [num_pages, page_size or 1] (this KV head),
+    # then acc_ref [rows, head_dim] float32 (unnormalised numerator), m_ref [rows] float32
+    # (running max), l_ref [rows] float32 (denominator).
+    *scale_refs, acc_ref, m_ref, l_ref = refs
     split = pl.program_id(2)
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
@@ -64,7 +65,8 @@ def _kernel(
         visible = common.visible_mask(row_pos, key_pos[None, :], length, sliding_window)
         key_live = ((key_pos >= kv_start) & (key_pos < length))[:, None]
         return common.softmax_step(
-            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap
+            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+            **gather_scales(scale_refs, pages, page_size),
         )
 
     init = (
@@ -108,6 +110,8 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention on GPU: the newest token of each sequence over its pages.
 
@@ -122,6 +126,8 @@ def paged_attention(
         the tuned ``min_programs``.
       num_warps, num_stages: Triton launch parameters; None = tuned table.
       interpret: run on CPU with the Pallas interpreter.
+      k_scales, v_scales: None for float pages; for int8 / float8_e4m3fn pages their
+        [num_pages, page_size or 1, num_kv_heads] float32 scales.
 
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
@@ -130,8 +136,9 @@ def paged_attention(
         raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_heads, head_dim]")
     common.check_inputs(
         q[:, None], lengths[:, None], k_pages, v_pages, lengths, page_indices,
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
     )
+    scale_args = () if k_scales is None else (k_scales, v_scales)
     num_seqs, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
@@ -166,6 +173,7 @@ def paged_attention(
             pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, k: (0, 0, h, 0)),
             pl.BlockSpec((None, pages_per_split), lambda s, h, k: (s, k)),
             pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
+            *[pl.BlockSpec((num_pages, a.shape[1], None), lambda s, h, k: (0, 0, h)) for a in scale_args],
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (k, s, h, 0, 0)),
@@ -182,7 +190,7 @@ def paged_attention(
         ),
         interpret=interpret,
         name="paged_attention_gpu",
-    )(q_rows, k_pages, v_pages, table, lengths[:, None])
+    )(q_rows, k_pages, v_pages, table, lengths[:, None], *scale_args)
 
     m_all = jnp.max(m, axis=0)  # [s, h, rows]
     weight = jnp.exp(m - m_all)  # [k_splits, s, h, rows]

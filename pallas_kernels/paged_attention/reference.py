@@ -17,6 +17,8 @@ def paged_attention_ref(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention: the newest token of each sequence attends over its pages.
 
@@ -26,7 +28,7 @@ def paged_attention_ref(
       lengths: [num_seqs] int32, valid KV slots per sequence (the new token included);
         a sequence of length 0 is padding and yields zeros.
       page_indices: [num_seqs, pages_per_seq] int32.
-      sm_scale, sliding_window, logit_soft_cap: as in ``partial_attention_ref``.
+      sm_scale, sliding_window, logit_soft_cap, k_scales, v_scales: as in ``partial_attention_ref``.
 
     Returns:
       [num_seqs, num_heads, head_dim].
@@ -42,5 +44,7 @@ def paged_attention_ref(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return out[:, 0]

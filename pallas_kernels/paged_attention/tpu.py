@@ -31,6 +31,8 @@ def paged_attention(
     logit_soft_cap: float | None = None,
     pages_per_block: int | None = None,
     interpret: partial_tpu.InterpretArg = False,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention on TPU: the newest token of each sequence over its pages.
 
@@ -42,6 +44,8 @@ def paged_attention(
       sm_scale, sliding_window, logit_soft_cap: as in ``paged_attention_ref``.
       pages_per_block: pages per DMA'd KV block; None = tuned table.
       interpret: False on TPU; True or ``pltpu.InterpretParams()`` to run on CPU.
+      k_scales, v_scales: None, or the [num_pages, page_size or 1, num_kv_heads] float32
+        scales of int8 / float8_e4m3fn pages.
 
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
@@ -63,5 +67,7 @@ def paged_attention(
         block_q=1,
         pages_per_block=pages_per_block,
         interpret=interpret,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return out[:, 0]

@@ -43,6 +43,8 @@ def partial_attention(
     logit_soft_cap: float | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of query rows at absolute positions over paged keys and values.
 
@@ -54,6 +56,8 @@ def partial_attention(
       page_indices: [num_seqs, pages_per_seq] int32 block table.
       sm_scale, sliding_window, logit_soft_cap: as in ``partial_attention_ref``.
       block_q: query rows per block; block_k: key slots per block (>= one page).
+      k_scales, v_scales: None, or the [num_pages, page_size or 1, num_kv_heads] float32
+        scales of int8 / float8_e4m3fn pages (each sequence's run is dequantized once).
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
@@ -79,8 +83,8 @@ def partial_attention(
     # [num_key_blocks, s, kv_heads, slots_per_block, d]. (Gathering inside the key-block loop
     # instead makes the loop carry the whole pool, which XLA then copies on every call.)
     runs = [
-        rearrange(pages[page_indices], "s (n p) t h d -> n s h (p t) d", p=pages_per_block)
-        for pages in (k_pages, v_pages)
+        rearrange(_gather(pages, scales, page_indices), "s (n p) t h d -> n s h (p t) d", p=pages_per_block)
+        for pages, scales in ((k_pages, k_scales), (v_pages, v_scales))
     ]
     def query_block(qb: jax.Array, pos: jax.Array) -> jax.Array:
         """qb [s, rows, H, d], pos [s, rows] -> [s, rows, H, d] float32."""
@@ -132,6 +136,12 @@ def partial_attention(
     return jnp.concatenate(blocks, axis=1)[:, :num_queries].astype(q.dtype)
 
 
+def _gather(pages: jax.Array, scales: jax.Array | None, page_indices: jax.Array) -> jax.Array:
+    """pages[page_indices]: [s, pages_per_seq, page_size, h, d], dequantized to float32 when scaled."""
+    run = pages[page_indices]
+    return run if scales is None else run.astype(jnp.float32) * scales[page_indices][..., None]
+
+
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -142,6 +152,8 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention (the query of each sequence is its token at ``lengths - 1``).
 
@@ -155,5 +167,6 @@ def paged_attention(
     out = partial_attention(
         q[:, None], (lengths - 1)[:, None], k_pages, v_pages, lengths, page_indices,
         sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+        k_scales=k_scales, v_scales=v_scales,
     )
     return out[:, 0]

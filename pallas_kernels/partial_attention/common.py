@@ -19,6 +19,8 @@ from einops import rearrange
 from jax import lax
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+QUANTIZED_STORAGE = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+"""Page dtypes that come with scales (dequantized inside the kernels)."""
 
 
 def check_inputs(
@@ -31,6 +33,8 @@ def check_inputs(
     *,
     sliding_window: int | None,
     logit_soft_cap: float | None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> None:
     """Trace-time checks of shapes, dtypes and static options; raises ValueError.
 
@@ -42,6 +46,8 @@ def check_inputs(
       page_indices: [num_seqs, pages_per_seq] int32.
       sliding_window: None or a positive window in tokens.
       logit_soft_cap: None or a positive cap.
+      k_scales, v_scales: both None (float pages) or both [num_pages, page_size or 1,
+        num_kv_heads] float32, the scales of int8 / float8_e4m3fn pages.
     """
     if q.ndim != 4:
         raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_queries, num_heads, head_dim]")
@@ -67,10 +73,30 @@ def check_inputs(
     for name, array in (("q_positions", q_positions), ("lengths", lengths), ("page_indices", page_indices)):
         if array.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={array.dtype} must be int32")
+    check_scales(k_pages, k_scales, v_scales)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{sliding_window=} must be None or >= 1")
     if logit_soft_cap is not None and logit_soft_cap <= 0:
         raise ValueError(f"{logit_soft_cap=} must be None or > 0")
+
+
+def check_scales(k_pages: jax.Array, k_scales: jax.Array | None, v_scales: jax.Array | None) -> None:
+    """Trace-time checks of quantized pages' scales (see ``check_inputs``); raises ValueError."""
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales must be given together (quantized pages) or both be None")
+    if k_scales is None:
+        return
+    if k_pages.dtype not in QUANTIZED_STORAGE:
+        raise ValueError(f"k_pages.dtype={k_pages.dtype} must be int8 or float8_e4m3fn when scales are given")
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    allowed = ((num_pages, page_size, num_kv_heads), (num_pages, 1, num_kv_heads))
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales.shape not in allowed:
+            raise ValueError(f"{name}.shape={scales.shape} must be {allowed[0]} (per token) or {allowed[1]} (per page)")
+        if scales.dtype != jnp.float32:
+            raise ValueError(f"{name}.dtype={scales.dtype} must be float32")
+    if k_scales.shape != v_scales.shape:
+        raise ValueError(f"k_scales.shape={k_scales.shape} must equal v_scales.shape={v_scales.shape}")
 
 
 def to_rows(q: jax.Array, num_kv_heads: int, group_pad: int, num_queries_pad: int) -> jax.Array:
@@ -181,12 +207,18 @@ def softmax_step(
     *,
     sm_scale: float,
     logit_soft_cap: float | None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One online-softmax step over a block of keys.
 
     Masked logits are replaced, not added to, so a NaN key cannot leak; values outside
     ``key_live`` (past the length, released by the window: possibly the null page or NaN)
     are zeroed before ``p @ v`` so that ``0 * NaN`` cannot appear.
+
+    Quantized keys and values are dequantized by folding their scales into the step:
+    ``q · (s_k k) = s_k (q · k)`` scales the logits' columns and ``p (s_v v) = (p s_v) v``
+    the probabilities' columns, so the ``[block_k, head_dim]`` tiles are only cast.
 
     Args:
       q: [rows, head_dim].
@@ -196,14 +228,19 @@ def softmax_step(
         values are zeroed.
       m, l: [rows, 1] float32 running max and denominator.
       acc: [rows, head_dim] float32 running numerator.
+      k_scale, v_scale: None (float k, v) or [1, block_k] float32 scales of quantized k, v.
 
     Returns:
       The updated (m, l, acc).
     """
+    if k_scale is not None:
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     # f32 inputs ask for exact f32 products (Triton and Mosaic would otherwise use TF32/bf16 passes).
     precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else lax.Precision.DEFAULT
     dot = functools.partial(lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
     logits = dot(q, k, (((1,), (1,)), ((), ())))
+    if k_scale is not None:
+        logits = logits * k_scale
     logits = logits * sm_scale  # [rows, block_k]
     if logit_soft_cap is not None:
         logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
@@ -212,7 +249,8 @@ def softmax_step(
     alpha = jnp.exp(m - m_next)  # [rows, 1]
     p = jnp.where(visible, jnp.exp(logits - m_next), 0.0)  # [rows, block_k]
     v = jnp.where(key_live, v, jnp.zeros((), v.dtype))  # [block_k, head_dim]
-    pv = dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+    p_v = p if v_scale is None else jnp.where(visible, p * v_scale, 0.0)  # a masked slot's scale may be anything
+    pv = dot(p_v.astype(v.dtype), v, (((1,), (0,)), ((), ())))
     l_next = alpha * l + jnp.sum(p, axis=1, keepdims=True)
     return m_next, l_next, alpha * acc + pv
 

@@ -48,6 +48,20 @@ def check_gpu_shapes(page_size: int, head_dim: int, pages_per_block: int) -> Non
         )
 
 
+def gather_scales(scale_refs: list, pages: jax.Array, page_size: int) -> dict[str, jax.Array]:
+    """The softmax step's ``k_scale`` / ``v_scale`` [1, block_k] for ``pages`` [P] (none for float pages).
+
+    Args:
+      scale_refs: [] or [k_scales_ref, v_scales_ref], each [num_pages, page_size or 1] (one KV head).
+    """
+    if not scale_refs:
+        return {}
+    k_scales_ref, v_scales_ref = scale_refs
+    shape = (pages.shape[0], page_size)
+    row = lambda ref: jnp.broadcast_to(ref[pages], shape).reshape(1, shape[0] * page_size)  # noqa: E731
+    return {"k_scale": row(k_scales_ref), "v_scale": row(v_scales_ref)}
+
+
 def _kernel(
     q_ref,  # [block_rows, head_dim]
     row_pos_ref,  # [block_rows] int32
@@ -55,13 +69,13 @@ def _kernel(
     v_pages_ref,  # [num_pages, page_size, head_dim]
     page_indices_ref,  # [pages_per_seq_pad] int32
     lengths_ref,  # [1] int32
-    o_ref,  # [block_rows, head_dim]
-    *,
+    *refs,  # quantized: k_scales_ref, v_scales_ref [num_pages, page_size or 1]; then o_ref [block_rows, head_dim]
     pages_per_block: int,
     sm_scale: float,
     sliding_window: int | None,
     logit_soft_cap: float | None,
 ):
+    *scale_refs, o_ref = refs
     block_rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -82,7 +96,8 @@ def _kernel(
         visible = common.visible_mask(row_pos, key_pos[None, :], length, sliding_window)
         key_live = ((key_pos >= kv_start) & (key_pos < kv_end))[:, None]
         return common.softmax_step(
-            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap
+            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+            **gather_scales(scale_refs, pages, page_size),
         )
 
     init = (
@@ -117,6 +132,8 @@ def partial_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV, on GPU (Pallas Triton).
 
@@ -131,14 +148,17 @@ def partial_attention(
       pages_per_block: pages gathered per loop step, a power of two; None = tuned table.
       num_warps, num_stages: Triton launch parameters; None = tuned table.
       interpret: run on CPU with the Pallas interpreter.
+      k_scales, v_scales: None for float pages; for int8 / float8_e4m3fn pages their
+        [num_pages, page_size or 1, num_kv_heads] float32 scales.
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
     common.check_inputs(
         q, q_positions, k_pages, v_pages, lengths, page_indices,
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
     )
+    scale_args = () if k_scales is None else (k_scales, v_scales)
     num_seqs, num_queries, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     tuned = block_sizes("gpu", "partial")
@@ -175,6 +195,7 @@ def partial_attention(
             pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, b: (0, 0, h, 0)),
             pl.BlockSpec((None, pages_per_seq_pad), lambda s, h, b: (s, 0)),
             pl.BlockSpec((None, 1), lambda s, h, b: (s, 0)),
+            *[pl.BlockSpec((num_pages, a.shape[1], None), lambda s, h, b: (0, 0, h)) for a in scale_args],
         ],
         out_specs=pl.BlockSpec((None, None, block_rows, head_dim), lambda s, h, b: (s, h, b, 0)),
         out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
@@ -183,5 +204,5 @@ def partial_attention(
         ),
         interpret=interpret,
         name="partial_attention_gpu",
-    )(rows, row_pos, k_pages, v_pages, table, lengths[:, None])
+    )(rows, row_pos, k_pages, v_pages, table, lengths[:, None], *scale_args)
     return common.from_rows(out, num_queries, group, group_pad)

@@ -19,17 +19,22 @@ from einops import rearrange
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
-    """Gathers each sequence's pages into one contiguous run of slots.
+def gather_pages(pages: jax.Array, page_indices: jax.Array, scales: jax.Array | None = None) -> jax.Array:
+    """Gathers each sequence's pages into one contiguous run of slots (dequantized if scaled).
 
     Args:
       pages: [num_pages, page_size, num_kv_heads, head_dim].
       page_indices: [num_seqs, pages_per_seq] int32.
+      scales: None, or [num_pages, page_size or 1, num_kv_heads] float32 scales of
+        quantized (int8 / float8_e4m3fn) pages; the run is then ``pages * scales`` in float32.
 
     Returns:
       [num_seqs, pages_per_seq * page_size, num_kv_heads, head_dim].
     """
-    return rearrange(pages[page_indices], "s p t h d -> s (p t) h d")
+    run = pages[page_indices]  # [s, p, t, h, d]
+    if scales is not None:
+        run = run.astype(jnp.float32) * scales[page_indices][..., None]  # scales [s, p, t or 1, h, 1]
+    return rearrange(run, "s p t h d -> s (p t) h d")
 
 
 def partial_attention_ref(
@@ -43,6 +48,8 @@ def partial_attention_ref(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of query rows at absolute positions over paged keys and values.
 
@@ -56,14 +63,16 @@ def partial_attention_ref(
       sm_scale: scale applied to q·k.
       sliding_window: a key is visible only if query_pos - key_pos < sliding_window.
       logit_soft_cap: if set, logits become cap * tanh(logits / cap).
+      k_scales, v_scales: None for float pages; for int8 / float8_e4m3fn pages their
+        [num_pages, page_size or 1, num_kv_heads] float32 scales (K = pages * scales).
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
     num_kv_heads = k_pages.shape[2]
     group = q.shape[2] // num_kv_heads
-    k = gather_pages(k_pages, page_indices)  # [s, k, h, d]
-    v = gather_pages(v_pages, page_indices)  # [s, k, h, d]
+    k = gather_pages(k_pages, page_indices, k_scales)  # [s, k, h, d]
+    v = gather_pages(v_pages, page_indices, v_scales)  # [s, k, h, d]
     # Slots past a sequence's length may hold anything (the null page, stale or NaN data):
     # zero them so that 0 * garbage cannot leak into the output.
     in_length = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [s, k]

@@ -10,6 +10,10 @@ blocks its rows can see, ``pages_per_block`` pages at a time::
 Block tables, lengths and each query block's key range ``[start, end)`` are scalar-prefetched
 into SMEM; K and V stay in HBM (``pl.ANY``). Grid steps share no state, so every grid
 axis is parallel. Paged decode is the case ``num_queries == 1``.
+
+Quantized (int8 / float8_e4m3fn) pages come with scales ``[num_pages, page_size or 1,
+num_kv_heads]``, also left in HBM: each page's scales of the head are DMA'd beside its values
+into ``[2, pages_per_block, page_size or 1]`` buffers and folded into the softmax step.
 """
 
 from __future__ import annotations
@@ -39,18 +43,34 @@ def _kernel(
     row_pos_ref,  # [block_rows, 1] int32
     k_pages_hbm_ref,  # [num_pages, page_size, num_kv_heads, head_dim]
     v_pages_hbm_ref,  # [num_pages, page_size, num_kv_heads, head_dim]
-    # Output.
-    o_ref,  # [block_rows, head_dim]
-    # Scratch.
-    k_vmem_buffer,  # [2, pages_per_block, page_size, head_dim]
-    v_vmem_buffer,  # [2, pages_per_block, page_size, head_dim]
-    sems,  # DMA semaphores [2, 2]: (k or v, slot)
-    *,
+    *refs,
     pages_per_seq_pad: int,
     sm_scale: float,
     sliding_window: int | None,
     logit_soft_cap: float | None,
+    quantized: bool,
 ):
+    """``refs`` are, for float pages::
+
+        o_ref  [block_rows, head_dim]; scratch k_vmem_buffer, v_vmem_buffer
+        [2, pages_per_block, page_size, head_dim]; sems, DMA semaphores [2, 2] (k or v, slot)
+
+    and for quantized pages::
+
+        k_scales_hbm_ref, v_scales_hbm_ref [num_pages, page_size or 1, num_kv_heads]; o_ref;
+        k_vmem_buffer, v_vmem_buffer; k_scale_vmem_buffer, v_scale_vmem_buffer
+        [2, pages_per_block, page_size or 1]; sems [4, 2] (k, v, k scales, v scales; slot)
+    """
+    if quantized:
+        (k_scales_hbm_ref, v_scales_hbm_ref, o_ref, k_vmem_buffer, v_vmem_buffer,
+         k_scale_vmem_buffer, v_scale_vmem_buffer, sems) = refs
+        pairs = (
+            (k_pages_hbm_ref, k_vmem_buffer), (v_pages_hbm_ref, v_vmem_buffer),
+            (k_scales_hbm_ref, k_scale_vmem_buffer), (v_scales_hbm_ref, v_scale_vmem_buffer),
+        )
+    else:
+        o_ref, k_vmem_buffer, v_vmem_buffer, sems = refs
+        pairs = ((k_pages_hbm_ref, k_vmem_buffer), (v_pages_hbm_ref, v_vmem_buffer))
     seq, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pages_per_block, page_size = k_vmem_buffer.shape[1], k_vmem_buffer.shape[2]
     block_k = pages_per_block * page_size
@@ -62,13 +82,12 @@ def _kernel(
     end_block = jnp.where(kv_end > kv_start, pl.cdiv(kv_end, block_k), first_block)
 
     def block_copies(kv_block, slot) -> list:
-        """The page DMAs of KV block ``kv_block`` into buffer ``slot`` (K then V per page)."""
+        """The page DMAs of KV block ``kv_block`` into buffer ``slot`` (K, V, then their scales, per page)."""
         copies = []
         for j in range(pages_per_block):
             page = page_indices_ref[seq * pages_per_seq_pad + kv_block * pages_per_block + j]
-            pairs = ((k_pages_hbm_ref, k_vmem_buffer), (v_pages_hbm_ref, v_vmem_buffer))
             for which, (hbm_ref, vmem_buffer) in enumerate(pairs):
-                src = hbm_ref.at[page, :, head, :]  # [page_size, head_dim]
+                src = hbm_ref.at[page, :, head]  # [page_size, head_dim] values, [page_size or 1] scales
                 copies.append(pltpu.make_async_copy(src, vmem_buffer.at[slot, j], sems.at[which, slot]))
         return copies
 
@@ -93,12 +112,19 @@ def _kernel(
             copy.wait()
         k = k_vmem_buffer[slot].reshape(block_k, head_dim)
         v = v_vmem_buffer[slot].reshape(block_k, head_dim)
+        scales = {}
+        if quantized:
+            shape = (pages_per_block, page_size)
+            scales = dict(
+                k_scale=jnp.broadcast_to(k_scale_vmem_buffer[slot], shape).reshape(1, block_k),
+                v_scale=jnp.broadcast_to(v_scale_vmem_buffer[slot], shape).reshape(1, block_k),
+            )
         key_row = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         key_col = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [block_k, 1]
         visible = common.visible_mask(row_pos, key_row, length, sliding_window)
         key_live = (key_col >= kv_start) & (key_col < kv_end)
         return common.softmax_step(
-            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap
+            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap, **scales
         )
 
     init = (
@@ -128,6 +154,8 @@ def partial_attention(
     block_q: int | None = None,
     pages_per_block: int | None = None,
     interpret: InterpretArg = False,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV, on TPU.
 
@@ -145,14 +173,17 @@ def partial_attention(
       block_q: queries per grid step (rows = block_q * group); None = tuned table.
       pages_per_block: pages per DMA'd KV block; None = tuned table.
       interpret: False on TPU; True or ``pltpu.InterpretParams()`` to run on CPU.
+      k_scales, v_scales: None for float pages; for int8 / float8_e4m3fn pages their
+        [num_pages, page_size or 1, num_kv_heads] float32 scales, left in HBM.
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
     common.check_inputs(
         q, q_positions, k_pages, v_pages, lengths, page_indices,
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
     )
+    quantized = k_scales is not None
     num_seqs, num_queries, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     tuned = block_sizes("tpu", "partial")
@@ -185,7 +216,17 @@ def partial_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logit_soft_cap=logit_soft_cap,
+        quantized=quantized,
     )
+    scratch = [
+        pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
+        pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
+    ]
+    scale_args = ()
+    if quantized:
+        scale_slots = k_scales.shape[1]
+        scratch += [pltpu.VMEM((2, pages_per_block, scale_slots), jnp.float32)] * 2
+        scale_args = (k_scales, v_scales)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -196,17 +237,14 @@ def partial_attention(
                 pl.BlockSpec((None, block_rows, 1), lambda s, h, b, *_: (s, b, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
+                *[pl.BlockSpec(memory_space=pl.ANY) for _ in scale_args],
             ],
             out_specs=pl.BlockSpec((None, None, block_rows, head_dim), lambda s, h, b, *_: (s, h, b, 0)),
-            scratch_shapes=[
-                pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
-                pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
+            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((4 if quantized else 2, 2))],
         ),
         out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret,
         name="partial_attention_tpu",
-    )(lengths, table, kv_start.reshape(-1), kv_end.reshape(-1), rows, row_pos[..., None], k_pages, v_pages)
+    )(lengths, table, kv_start.reshape(-1), kv_end.reshape(-1), rows, row_pos[..., None], k_pages, v_pages, *scale_args)
     return common.from_rows(out, num_queries, group, group)
