@@ -11,6 +11,14 @@ Each ``step()``:
 4. sampling runs on device; the scheduler commits the computed tokens to the manager (full
    blocks enter the radix tree) and finishes requests on EOS or length.
 
+With ``speculative`` (a ``SpeculativeConfig``) the decodes of step 3 are speculative: each
+sequence gets up to k draft slots in its own pages, taken only from free pages after the
+scheduler's allocations (so a draft never evicts a cached block), the drafter
+(``kvjax.speculative``) proposes drafts, one forward over the inputs and drafts verifies them
+(``verify``: greedy rows emit exactly the non-speculative tokens), the slots of rejected drafts
+are rolled back, and the scheduler commits the input token and the accepted drafts only.
+Drafts are not charged to ``max_num_tokens``.
+
 A request submitted with ``chunks`` (``kvjax.blend.engine_blend.ChunkReuse``) is a blended
 request: its prompt reuses stored chunk KV (CacheBlend), scheduled like any other and charged
 the rows it recomputes; its whole prompt runs in one ``blended_prefill`` in step 3, beside
@@ -48,12 +56,20 @@ import numpy as np
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, choose_cache_size, init_pool, require_fits
 from kvjax.cache.pool import copy_pages, load_host_pages, read_pages, store_host_pages, write_pages
-from kvjax.config import ConfigError, KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, as_retention_config
+from kvjax.config import (
+    ConfigError,
+    KvCacheConfig,
+    KvCacheRetentionConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    as_retention_config,
+)
 from kvjax.manager import KVCacheManager, MultimodalItem, PageOp, hashing
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
 from kvjax.model.registry import Model
 from kvjax.model.transformer import forward
 from kvjax.sampling import SamplingParams, sample
+from kvjax.speculative import DraftRow, make_drafter, verify
 
 if TYPE_CHECKING:
     from kvjax.blend.engine_blend import BlendReport, ChunkReuse
@@ -167,6 +183,7 @@ class Engine:
       max_finished_requests: finished requests whose outputs stay readable by id; older ones
         are forgotten (``generate``/``run``/``stream`` return their own outputs regardless).
         A finished request's id may be reused.
+      speculative: speculative decoding of every request (None = off).
     """
 
     def __init__(
@@ -178,8 +195,11 @@ class Engine:
         max_seq_len: int | None = None,
         attn_impl: attention.Impl = "auto",
         max_finished_requests: int = 1024,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         cfg = model.config
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be None or a SpeculativeConfig, got {type(speculative).__name__}")
         if isinstance(max_finished_requests, bool) or not isinstance(max_finished_requests, int) or max_finished_requests < 1:
             raise ValueError(f"max_finished_requests={max_finished_requests!r} must be an int >= 1")
         if kv_cache_config.use_kv_cache_manager_v2 == "true":
@@ -229,8 +249,12 @@ class Engine:
         """Held by every entry point; hold it to read or replace the engine's state from outside
         (``kvjax.snapshot``)."""
         self._ids = itertools.count()
+        self.speculative = speculative
+        self.drafter = None if speculative is None else make_drafter(speculative, model.params, cfg, self.layout, attn_impl)
         self.timings = collections.Counter()
-        """Cumulative seconds and token counts by phase (prefill / decode / page_ops)."""
+        """Cumulative seconds and token counts by phase (prefill / decode / page_ops). Speculative
+        decodes add draft_s (drafting, within decode_s), spec_rows (sequence-steps verified),
+        spec_drafted and spec_accepted (draft tokens proposed and accepted)."""
 
     def set_manager(self, manager: KVCacheManager) -> None:
         """Swaps in another manager (a restored snapshot); the engine must be idle."""
@@ -361,8 +385,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[tuple[str, int]]:
-        """One engine iteration; returns the (request_id, token) pairs generated.
+    def step(self) -> list[tuple[str, int | list[int]]]:
+        """One engine iteration; returns the (request_id, token) pairs generated (with
+        speculation, a decode's pair holds the list of tokens it emitted, before a stop or
+        ``max_new_tokens`` cuts it).
 
         A request whose forward or sampling raises is finished with ``finish_reason="error"``
         (a failing decode batch is retried one request at a time to find it); the others
@@ -376,7 +402,7 @@ class Engine:
                 record.logits.clear()
                 record.first_token_time = None
             self._execute_page_ops()
-            sampled: dict[str, int] = {}
+            sampled: dict[str, int | list[int]] = {}
             failed: dict[str, str] = {}
             prefills = [w for w in plan.scheduled if w.is_prefill]
             decodes = [w for w in plan.scheduled if not w.is_prefill]
@@ -384,7 +410,8 @@ class Engine:
                 phase = "prefill" if self.requests[work.request_id].chunks is None else "blend"
                 sampled.update(self._run_isolated([work], phase, failed))
             if decodes:
-                sampled.update(self._run_isolated(decodes, "decode", failed))
+                phase = "decode" if self.speculative is None else "speculative"
+                sampled.update(self._run_isolated(decodes, phase, failed))
             for rid, message in failed.items():
                 self.scheduler.abort(rid)
                 self._finish(rid, "error", message)
@@ -393,17 +420,26 @@ class Engine:
                 record = self.requests[rid]
                 if record.first_token_time is None:
                     record.first_token_time = now
-            for rid in self.scheduler.finish_step(sampled):
+            finished = self.scheduler.finish_step(sampled)
+            if self.speculative is not None:  # logits of emitted tokens past a stop or max_new_tokens
+                for rid in sampled:
+                    record = self.requests[rid]
+                    del record.logits[len(record.sched.output_token_ids) :]
+            for rid in finished:
                 self._finish(rid)
             return list(sampled.items())
 
-    def _run_isolated(self, works: Sequence[ScheduledRequest], phase: str, failed: dict[str, str]) -> dict[str, int]:
+    def _run_isolated(
+        self, works: Sequence[ScheduledRequest], phase: str, failed: dict[str, str]
+    ) -> dict[str, int | list[int]]:
         """``_run`` that confines a failure to the request that caused it (into ``failed``)."""
         try:
-            return self._run_blend(works[0]) if phase == "blend" else self._run(works, phase)
+            if phase == "blend":
+                return self._run_blend(works[0])
+            return self._run_speculative(works) if phase == "speculative" else self._run(works, phase)
         except Exception as e:
             if len(works) > 1:
-                sampled: dict[str, int] = {}
+                sampled: dict[str, int | list[int]] = {}
                 for work in works:
                     sampled.update(self._run_isolated([work], phase, failed))
                 return sampled
@@ -529,6 +565,85 @@ class Engine:
         self.timings[f"{phase}_steps"] += 1
         return sampled
 
+    def _draft_rows(self, works: Sequence[ScheduledRequest]) -> tuple[list[DraftRow], list[int]]:
+        """Takes each decode's draft slots (free pages only, after the scheduler's allocations)
+        and describes it to the drafter; returns (rows, each request's slot count now)."""
+        k = self.speculative.num_draft_tokens
+        rows, allocated = [], []
+        for w in works:
+            record = self.requests[w.request_id]
+            sched, sp = record.sched, record.sampling
+            emitted = len(sched.output_token_ids)
+            want = max(0, min(k, sched.max_new_tokens - emitted - 1, self.max_seq_len - w.start - 1))
+            slots = self.manager.allocate_drafts(w.request_id, w.start + 1 + want)
+            allocated.append(slots)
+            rows.append(DraftRow(
+                context=sched.prompt_token_ids + tuple(sched.output_token_ids), start=w.start,
+                max_drafts=min(want, slots - w.start - 1), temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
+                counter=emitted,
+            ))
+        return rows, allocated
+
+    def _run_speculative(self, works: Sequence[ScheduledRequest]) -> dict[str, int | list[int]]:
+        """A batch of decodes, speculatively: draft, verify the inputs and drafts in one forward
+        of T = 1 + k tokens per row, roll back the rejected drafts' slots; returns the tokens
+        each request emits (accepted drafts, then the token after them). A step where the
+        drafter proposes nothing runs as a plain decode."""
+        start_time = time.perf_counter()
+        rows = bucket(len(works))
+        draft_rows, allocated = self._draft_rows(works)
+        width = bucket(self.layout.pages_for(max(allocated)), 4)
+        tables = self._block_tables(works, rows, width)
+        drafts, self.pool = self.drafter.propose(draft_rows, rows, self.pool, tables)
+        num_drafts = drafts.num_drafts
+        self.timings["draft_s"] += time.perf_counter() - start_time
+        if not num_drafts.any():
+            for w, slots in zip(works, allocated):
+                self.manager.rollback(w.request_id, slots - w.start - 1)
+            return self._run(works, "decode")
+        k = self.speculative.num_draft_tokens
+        t = 1 + k
+        tokens = np.zeros((rows, t), np.int32)
+        positions = np.full((rows, t), -1, np.int32)
+        lengths = np.zeros(rows, np.int32)
+        draft_tokens = np.zeros((rows, k), np.int32)
+        draft_tokens[:, : drafts.tokens.shape[1]] = drafts.tokens
+        for i, w in enumerate(works):
+            d = int(num_drafts[i])
+            tokens[i, 0] = w.token_ids[0]
+            tokens[i, 1 : 1 + d] = draft_tokens[i, :d]
+            positions[i, : 1 + d] = np.arange(w.start, w.start + 1 + d)
+            lengths[i] = w.start + 1 + d
+        logits, self.pool = forward(
+            self.model.params, self.pool, jnp.asarray(tokens), jnp.asarray(positions), tables, jnp.asarray(lengths),
+            cfg=self.model.config, layout=self.layout, logits_mode="all", attn_impl=self.attn_impl,
+        )
+        probs = drafts.probs
+        if probs is not None and probs.shape[1] < k:
+            probs = jnp.pad(probs, ((0, 0), (0, k - probs.shape[1]), (0, 0)))
+        accepted, following = verify(
+            logits, jnp.asarray(draft_tokens), jnp.asarray(num_drafts), *self._sampling_arrays(works, rows), probs
+        )
+        accepted, following = np.asarray(accepted), np.asarray(following)
+        wants_logits = any(self.requests[w.request_id].sampling.return_logits for w in works)
+        host_logits = np.asarray(logits) if wants_logits else None
+        emitted: dict[str, int | list[int]] = {}
+        for i, (w, slots) in enumerate(zip(works, allocated)):
+            a = int(accepted[i])
+            self.manager.rollback(w.request_id, slots - (w.start + 1 + a))
+            emitted[w.request_id] = draft_tokens[i, :a].tolist() + [int(following[i])]
+            record = self.requests[w.request_id]
+            if record.sampling.return_logits:
+                record.logits.extend(host_logits[i, : a + 1])
+        jax.block_until_ready(self.pool.k[0])
+        self.timings["decode_s"] += time.perf_counter() - start_time
+        self.timings["decode_tokens"] += sum(len(e) for e in emitted.values())
+        self.timings["decode_steps"] += 1
+        self.timings["spec_rows"] += len(works)
+        self.timings["spec_drafted"] += int(num_drafts.sum())
+        self.timings["spec_accepted"] += int(accepted.sum())
+        return emitted
+
     def _run_blend(self, work: ScheduledRequest) -> dict[str, int]:
         """A blended request's whole prompt (``work.start`` tokens cached) through
         ``blended_prefill``; samples its first token."""
@@ -545,17 +660,21 @@ class Engine:
         self.timings["blend_steps"] += 1
         return sampled
 
-    def _sample(self, works: Sequence[ScheduledRequest], logits: jax.Array) -> dict[str, int]:
-        s = logits.shape[0]
-        temperature = np.zeros(s, np.float32)
-        top_p = np.ones(s, np.float32)
-        seeds = np.zeros(s, np.int32)
-        counters = np.zeros(s, np.int32)
+    def _sampling_arrays(self, works: Sequence[ScheduledRequest], rows: int) -> tuple[jax.Array, ...]:
+        """(temperature, top_p, seeds, counters), each [rows], of the works' requests; a
+        counter is the number of tokens the request has generated."""
+        temperature = np.zeros(rows, np.float32)
+        top_p = np.ones(rows, np.float32)
+        seeds = np.zeros(rows, np.int32)
+        counters = np.zeros(rows, np.int32)
         for i, w in enumerate(works):
             r = self.requests[w.request_id]
             temperature[i], top_p[i] = r.sampling.temperature, r.sampling.top_p
             seeds[i], counters[i] = r.sampling.seed, len(r.sched.output_token_ids)
-        tokens = np.asarray(sample(logits, jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds), jnp.asarray(counters)))
+        return jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds), jnp.asarray(counters)
+
+    def _sample(self, works: Sequence[ScheduledRequest], logits: jax.Array) -> dict[str, int]:
+        tokens = np.asarray(sample(logits, *self._sampling_arrays(works, logits.shape[0])))
         wants_logits = [self.requests[w.request_id].sampling.return_logits for w in works]
         host_logits = np.asarray(logits) if any(wants_logits) else None
         sampled = {}

@@ -96,6 +96,35 @@ def nucleus_mask(probs: jax.Array, top_p: jax.Array) -> jax.Array:
     return keep | (top_p[:, None] >= 1.0)
 
 
+def probabilities(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The distribution ``sample`` draws each row from.
+
+    softmax(logits / temperature) restricted to the nucleus (``nucleus_mask``) and
+    renormalised; a row with temperature 0 is one-hot at its argmax.
+
+    Args:
+      logits: [S, V] float32.
+      temperature, top_p: [S] float32.
+
+    Returns:
+      [S, V] float32, each row summing to 1.
+    """
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    probs = jax.nn.softmax(scaled, axis=-1)
+    kept = jnp.where(nucleus_mask(probs, top_p), probs, 0.0)
+    kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where((temperature > 0)[:, None], kept, greedy)
+
+
+def token_key(seed: jax.Array, index: jax.Array, stream: int = 0) -> jax.Array:
+    """The PRNG key of a request's ``index``-th generated token: fold_in(key(seed), index),
+    and for ``stream`` > 0 a further fold_in (speculative decoding draws several independent
+    values per token: the draft, the acceptance test, the resample)."""
+    key = jax.random.fold_in(jax.random.key(seed), index)
+    return jax.random.fold_in(key, stream) if stream else key
+
+
 @jax.jit
 def sample(
     logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seeds: jax.Array, counters: jax.Array
@@ -118,7 +147,7 @@ def sample(
     def draw() -> jax.Array:
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
         keep = nucleus_mask(jax.nn.softmax(scaled, axis=-1), top_p)
-        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+        keys = jax.vmap(token_key)(seeds, counters)
         sampled = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
         return jnp.where(temperature > 0, sampled, greedy)
 

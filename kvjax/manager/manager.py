@@ -363,6 +363,32 @@ class KVCacheManager:
                 blocks.append(block)
         seq.num_allocated = num_total_tokens
 
+    def allocate_drafts(self, request_id: str, num_total_tokens: int) -> int:
+        """Cache slots for speculative draft tokens, up to ``num_total_tokens``, from free pages only.
+
+        Unlike ``allocate`` it never evicts a cached block and never fails: a draft may be
+        rejected, and a block evicted to hold a rejected draft would be a hit lost to a later
+        request. It grants what the pages already held and the free pages allow; the granted
+        slots are uncommitted (commit the accepted drafts, ``rollback`` the rest).
+
+        Returns:
+          The request's slot count afterwards, in [its slot count before, max(that, num_total_tokens)].
+        """
+        seq = self._seq(request_id)
+        if not isinstance(num_total_tokens, int) or not 0 <= num_total_tokens <= self.max_seq_len:
+            raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
+        if num_total_tokens <= seq.num_allocated:
+            return seq.num_allocated
+        held = len(seq.blocks[0])
+        extra = max(0, min([-(-num_total_tokens // self.page_size) - held] + [len(p.device_free) for p in self.pools]))
+        for pool, blocks in zip(self.pools, seq.blocks):
+            for _ in range(extra):
+                block = pool.new_block()
+                block.ref_count = 1
+                blocks.append(block)
+        seq.num_allocated = max(seq.num_allocated, min(num_total_tokens, (held + extra) * self.page_size))
+        return seq.num_allocated
+
     def commit_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Records that these tokens' KV is written (a prompt chunk or generated tokens).
 
@@ -404,10 +430,11 @@ class KVCacheManager:
             seq.first_held[g] = max(seq.first_held[g], first)
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
-        """Drops the slots of the last ``num_tokens`` uncommitted tokens (rejected drafts, B11).
+        """Drops the slots of the last ``num_tokens`` uncommitted tokens (rejected drafts).
 
-        Only committed tokens ever enter reusable blocks, so nothing cached changes; pages
-        that no longer hold any slot are freed.
+        Only committed tokens ever enter reusable blocks, so nothing cached changes and no
+        event is emitted; pages that no longer hold any slot return to the free list, and a
+        partly filled last page keeps only its committed and remaining slots.
         """
         seq = self._seq(request_id)
         pending = seq.num_allocated - len(seq.tokens)

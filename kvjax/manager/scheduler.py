@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvjax.config import KvCacheRetentionConfig, SchedulerConfig
 from kvjax.manager.hashing import BlockKey, MultimodalItem
@@ -193,12 +193,15 @@ class Scheduler:
         self._last_plan = plan
         return plan
 
-    def finish_step(self, sampled: Mapping[str, int]) -> list[str]:
+    def finish_step(self, sampled: Mapping[str, int | Sequence[int]]) -> list[str]:
         """Records the step: commits the computed tokens and appends sampled ones.
 
         Args:
           sampled: the sampled token of every scheduled request with ``samples=True`` that
-            was not aborted during the step.
+            was not aborted during the step. A decode verified speculatively gives the tokens
+            it emits instead: its accepted drafts, whose KV the step wrote and which are
+            committed after its input token, then the token sampled after them. Tokens past
+            ``max_new_tokens`` or the stop token are dropped.
 
         Returns:
           Requests that finished (their cache references are dropped).
@@ -217,12 +220,18 @@ class Scheduler:
             req = self.running.get(work.request_id)
             if req is None:
                 continue
-            self.manager.commit_tokens(req.request_id, work.token_ids)
-            req.num_computed_tokens += len(work.token_ids)
+            emitted = sampled.get(req.request_id, ()) if work.samples else ()
+            emitted = tuple(emitted) if isinstance(emitted, Sequence) else (emitted,)
+            emitted = emitted[: req.max_new_tokens - len(req.output_token_ids)]
+            if req.eos_token_id in emitted:
+                emitted = emitted[: emitted.index(req.eos_token_id) + 1]
+            computed = work.token_ids + emitted[:-1]
+            self.manager.commit_tokens(req.request_id, computed)
+            req.num_computed_tokens += len(computed)
             if not work.samples:
                 continue
-            token = sampled[req.request_id]
-            req.output_token_ids.append(token)
+            token = emitted[-1]
+            req.output_token_ids.extend(emitted)
             if len(req.output_token_ids) >= req.max_new_tokens or token == req.eos_token_id:
                 self.manager.free_request(req.request_id)
                 del self.running[req.request_id]
