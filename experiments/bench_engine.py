@@ -6,7 +6,9 @@ See ``configs/bench_engine.py`` for the rows and the command.
 
 from __future__ import annotations
 
+import json
 import pathlib
+import subprocess
 import time
 
 import jax
@@ -35,6 +37,8 @@ quiet 2-core AMD EPYC with AVX-512 whose jitted f32 2048^3 matmul reached ~460 G
 VLLM_MACHINE_GFLOPS = 460.0
 
 FIRST = SamplingParams(max_new_tokens=1, ignore_eos=True)
+PEER_MARK = "VLLM_PEER_RESULT "
+"""Prefix of the one stdout line carrying ``experiments/peers/vllm_cpu.py``'s JSON result."""
 
 
 def measure(engine: Engine, config: ml_collections.ConfigDict, rng: np.random.Generator) -> dict[str, tuple[float, float]]:
@@ -74,12 +78,31 @@ def measure(engine: Engine, config: ml_collections.ConfigDict, rng: np.random.Ge
     return rows
 
 
+def measure_peer(config: ml_collections.ConfigDict, max_seq_len: int) -> dict[str, float]:
+    """vLLM CPU on the same rows in a subprocess (its own venv): row name -> median value."""
+    spec = {
+        "model": config.peer_model, "tokens_per_block": config.kv_cache.tokens_per_block, "max_seq_len": max_seq_len,
+        "max_num_tokens": config.scheduler.max_num_tokens, "seed": config.seed, "warmup": config.warmup,
+        "repeats": config.repeats, "prompt_tokens": config.prompt_tokens,
+        "shared_prefix_tokens": config.shared_prefix_tokens, "shared_new_tokens": config.shared_new_tokens,
+        "prefill_lengths": list(config.prefill_lengths), "decode_batches": list(config.decode_batches),
+        "decode_context": config.decode_context, "decode_tokens": config.decode_tokens,
+    }
+    script = pathlib.Path(__file__).parent / "peers" / "vllm_cpu.py"
+    done = subprocess.run([config.peer_python, str(script), json.dumps(spec)], capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(PEER_MARK)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM peer run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return {name: float(np.median(values)) for name, values in json.loads(lines[-1][len(PEER_MARK):]).items()}
+
+
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
+    max_seq_len = max(config.prompt_tokens, *config.prefill_lengths, config.decode_context + config.decode_tokens + 1) + 64
+    peer = measure_peer(config, max_seq_len) if config.peer_python else {}
     model = load_model(config.model)
     engine = Engine(
         model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(**config.scheduler.to_dict()),
-        max_seq_len=max(config.prompt_tokens, *config.prefill_lengths, config.decode_context + config.decode_tokens + 1) + 64,
-        attn_impl=config.attn_impl,
+        max_seq_len=max_seq_len, attn_impl=config.attn_impl,
     )
     rng = np.random.default_rng(config.seed)
     limits = machine_limits()
@@ -95,14 +118,20 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         value = float(np.median([v[0] for v in values]))
         row = {"row": name, "kvjax": value, "wall_s": float(np.median([v[1] for v in values]))}
         if name in VLLM_CPU:
-            peer, unit = VLLM_CPU[name]
+            reference, unit = VLLM_CPU[name]
             lower_is_better = unit != "tok/s"
-            row |= {"unit": unit, "vllm_cpu": peer, "kvjax_over_vllm": value / peer if lower_is_better else peer / value}
+            row |= {"unit": unit, "vllm_cpu": reference,
+                    "kvjax_over_vllm": value / reference if lower_is_better else reference / value}
             # vLLM's figure moved to this machine by the matmul-rate ratio (an estimate, not a measurement).
-            row["vllm_scaled"] = peer / scale if lower_is_better else peer * scale
+            row["vllm_scaled"] = reference / scale if lower_is_better else reference * scale
             row["kvjax_over_vllm_scaled"] = value / row["vllm_scaled"] if lower_is_better else row["vllm_scaled"] / value
+            if name in peer:
+                row["vllm_here"] = peer[name]
+                row["kvjax_over_vllm_here"] = value / peer[name] if lower_is_better else peer[name] / value
         rows.append(row)
     columns = ["row", "unit", "kvjax", "vllm_cpu", "kvjax_over_vllm", "vllm_scaled", "kvjax_over_vllm_scaled", "wall_s"]
+    if peer:
+        columns[2:2] = ["vllm_here", "kvjax_over_vllm_here"]
     table = report.markdown_table(rows, columns)
     report.write_csv(workdir / "engine.csv", rows, columns)
     note = (
@@ -112,6 +141,8 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         "(read + write). kvjax_over_vllm < 1 means kvjax is faster. vllm_cpu was measured on another machine "
         f"(~{VLLM_MACHINE_GFLOPS:.0f} GFLOP/s); vllm_scaled moves it here by the matmul-rate ratio ({scale:.2f}), an "
         "estimate: only a side-by-side run settles a comparison.\n"
+        + ("vllm_here: vLLM CPU 0.32.0 measured in this run, on this machine, just before kvjax (same rows, "
+           "sizes and rounds); kvjax_over_vllm_here is the side-by-side ratio.\n" if peer else "")
     )
     report.write_summary(workdir, "bench_engine — engine speed vs vLLM CPU", [("Setup", note), ("Rows", table)])
     return {"rows": rows, "machine": limits, "device": jax.devices()[0].device_kind}

@@ -30,3 +30,24 @@ def test_tiny_bench_writes_every_row(tmp_path):
 def test_unknown_preset_is_an_error():
     with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: '' \\(default\\) or 'tiny'"):
         bench_engine_config.get_config("huge")
+
+
+def _fake_peer(tmp_path, body: str) -> str:
+    """An executable standing in for the vLLM venv's python: it ignores its arguments."""
+    path = tmp_path / "peer_python"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_peer_result_is_parsed_as_medians(tmp_path):
+    config = bench_engine_config.get_config("tiny")
+    config.peer_python = _fake_peer(tmp_path, 'echo noise; echo \'VLLM_PEER_RESULT {"decode_b1": [3.0, 1.0, 2.0]}\'')
+    assert bench_engine.measure_peer(config, max_seq_len=256) == {"decode_b1": 2.0}
+
+
+def test_failed_peer_run_is_an_error_with_its_stderr(tmp_path):
+    config = bench_engine_config.get_config("tiny")
+    config.peer_python = _fake_peer(tmp_path, "echo 'No module named vllm' >&2; exit 3")
+    with pytest.raises(RuntimeError, match="(?s)vLLM peer run failed \\(exit 3\\).*No module named vllm"):
+        bench_engine.measure_peer(config, max_seq_len=256)
