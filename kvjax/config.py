@@ -160,6 +160,10 @@ class KvCacheConfig:
         (CPU); None measures it.
       enable_block_reuse: reuse blocks across requests through the radix tree.
       host_cache_size: bytes of the host (secondary) tier; 0 disables offload.
+      disk_cache_size: bytes of the disk tier below the host tier (host victims spill there
+        instead of being dropped); 0 disables it; needs host_cache_size > 0.
+      disk_cache_dir: folder of the disk tier's page file (created; the file is removed when
+        the engine is garbage-collected); None = a fresh folder under the system temp dir.
       secondary_offload_min_priority: blocks with priority below this are dropped, not offloaded.
       enable_partial_reuse: reuse a block whose tokens match only in part.
       copy_on_partial_reuse: copy the matching tokens into a fresh block (else reuse the
@@ -177,6 +181,8 @@ class KvCacheConfig:
     free_memory_bytes: int | None = None
     enable_block_reuse: bool = True
     host_cache_size: int = 0
+    disk_cache_size: int = 0
+    disk_cache_dir: str | None = None
     secondary_offload_min_priority: int = DEFAULT_PRIORITY
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True
@@ -213,6 +219,19 @@ class KvCacheConfig:
         _require(
             _is_int(self.host_cache_size) and self.host_cache_size >= 0,
             f"host_cache_size={self.host_cache_size!r} must be an int >= 0 (bytes)",
+        )
+        _require(
+            _is_int(self.disk_cache_size) and self.disk_cache_size >= 0,
+            f"disk_cache_size={self.disk_cache_size!r} must be an int >= 0 (bytes)",
+        )
+        _require(
+            not self.disk_cache_size or self.host_cache_size,
+            f"disk_cache_size={self.disk_cache_size} needs host_cache_size > 0: blocks reach the disk tier "
+            "only from the host tier",
+        )
+        _require(
+            self.disk_cache_dir is None or (isinstance(self.disk_cache_dir, str) and self.disk_cache_dir != ""),
+            f"disk_cache_dir={self.disk_cache_dir!r} must be None or a non-empty path string",
         )
         _check_priority("secondary_offload_min_priority", self.secondary_offload_min_priority)
         if self.max_attention_window is not None:
