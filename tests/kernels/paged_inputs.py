@@ -118,3 +118,52 @@ def assert_close(actual: jnp.ndarray, expected: jnp.ndarray) -> None:
     assert not np.isnan(actual32).any(), "NaN leaked into the kernel output"
     tol = TOLERANCE[jnp.dtype(actual.dtype).name]
     np.testing.assert_allclose(actual32, np.asarray(expected, np.float32), rtol=tol, atol=tol)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedInputs:
+    """A problem's pages quantized, the poison kept: NaN scales (and, for fp8, NaN values)
+    wherever the float pages held NaN.
+
+    Attributes:
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim] int8 or float8_e4m3fn.
+      k_scales, v_scales: [num_pages, page_size or 1, num_kv_heads] float32.
+      dequantized_k_pages, dequantized_v_pages: values * scales in float32, poison replaced
+        by zeros (what the reference attends over).
+    """
+
+    k_pages: jnp.ndarray
+    v_pages: jnp.ndarray
+    k_scales: jnp.ndarray
+    v_scales: jnp.ndarray
+    dequantized_k_pages: jnp.ndarray
+    dequantized_v_pages: jnp.ndarray
+
+
+def quantize_inputs(inputs: PagedInputs, dtype: str, granularity: str) -> QuantizedInputs:
+    """Absmax quantization of ``inputs``' pages per (slot, KV head) or per (page, KV head)."""
+    from kvjax.cache.quant import KV_STORAGE_DTYPES, absmax_scale, quantize
+
+    storage = KV_STORAGE_DTYPES[dtype]
+
+    def one(pages: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+        raw = np.asarray(pages, np.float32)
+        poison = np.isnan(raw)  # [P, t, h, d]
+        clean = np.nan_to_num(raw, nan=0.0)
+        if granularity == "token":
+            scales = np.array(absmax_scale(jnp.asarray(clean), storage))  # [P, t, h]
+            scales[poison.any(-1)] = np.nan
+        else:
+            scales = np.array(absmax_scale(jnp.asarray(clean.transpose(0, 2, 1, 3).reshape(*raw.shape[::2], -1)), storage))
+            scales = scales[:, None, :]  # [P, 1, h]
+            scales[poison.all((1, 3))[:, None, :]] = np.nan
+        values = np.asarray(quantize(jnp.asarray(clean), jnp.asarray(np.nan_to_num(scales, nan=1.0)), storage))
+        if storage == jnp.float8_e4m3fn:
+            values = values.copy()
+            values[poison] = np.nan
+        dequantized = np.where(poison, 0.0, values.astype(np.float32) * np.nan_to_num(scales, nan=0.0)[..., None])
+        return jnp.asarray(values), jnp.asarray(scales), jnp.asarray(dequantized, jnp.float32)
+
+    k, ks, kd = one(inputs.k_pages)
+    v, vs, vd = one(inputs.v_pages)
+    return QuantizedInputs(k, v, ks, vs, kd, vd)
