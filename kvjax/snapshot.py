@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from kvjax.cache import PagePool
+from kvjax.cache import PagePool, QuantizedPages
 from kvjax.engine import Engine
 from kvjax.manager import KVCacheManager, SnapshotError
 
@@ -54,14 +54,29 @@ _REPLACED = ".kvjax-replaced-"
 
 def _arrays(engine: Engine) -> dict[str, np.ndarray]:
     """Every array a snapshot holds: ``device_{k,v}_<layer>`` [num_pages, page_size, K, d]
-    and ``host_<group>`` (the host tier's pages of each layer group)."""
+    and ``host_<group>`` (the host tier's pages of each layer group), as stored: a quantized
+    cache's int8 / float8_e4m3fn values under those names and their scales beside them as
+    ``device_{k,v}_scales_<layer>`` and ``host_scales_<group>``."""
     arrays = {}
     for i, (k, v) in enumerate(zip(engine.pool.k, engine.pool.v)):
-        arrays[f"device_k_{i:03d}"] = np.asarray(k)
-        arrays[f"device_v_{i:03d}"] = np.asarray(v)
+        arrays |= _named(f"device_k_{i:03d}", f"device_k_scales_{i:03d}", k)
+        arrays |= _named(f"device_v_{i:03d}", f"device_v_scales_{i:03d}", v)
     for g, host in enumerate(engine.host_pools):
-        arrays[f"host_{g:03d}"] = host
+        arrays |= _named(f"host_{g:03d}", f"host_scales_{g:03d}", host)
     return arrays
+
+
+def _named(values_name: str, scales_name: str, pages: Any) -> dict[str, np.ndarray]:
+    if isinstance(pages, QuantizedPages):
+        return {values_name: np.asarray(pages.values), scales_name: np.asarray(pages.scales)}
+    return {values_name: np.asarray(pages)}
+
+
+def _pages(arrays: dict[str, np.ndarray], values_name: str, scales_name: str, convert: Any) -> Any:
+    """Inverse of ``_named``: the arrays (converted by ``convert``) as stored pages."""
+    if scales_name in arrays:
+        return QuantizedPages(values=convert(arrays[values_name]), scales=convert(arrays[scales_name]))
+    return convert(arrays[values_name])
 
 
 def _arrays_digest(arrays: dict[str, np.ndarray]) -> str:
@@ -281,9 +296,11 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
         raise SnapshotError(f"{where}: {err}") from err
     num_layers = engine.layout.num_layers
     engine.pool = PagePool(
-        k=tuple(jnp.asarray(arrays[f"device_k_{i:03d}"]) for i in range(num_layers)),
-        v=tuple(jnp.asarray(arrays[f"device_v_{i:03d}"]) for i in range(num_layers)),
+        k=tuple(_pages(arrays, f"device_k_{i:03d}", f"device_k_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
+        v=tuple(_pages(arrays, f"device_v_{i:03d}", f"device_v_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
     )
-    engine.host_pools = [arrays[f"host_{g:03d}"].copy() for g in range(len(engine.host_pools))]
+    engine.host_pools = [
+        _pages(arrays, f"host_{g:03d}", f"host_scales_{g:03d}", np.copy) for g in range(len(engine.host_pools))
+    ]
     engine.set_manager(manager)
     return step
