@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.policy.deviation = "kv"  # k | v | kv: which deviation scores tokens
     config.policy.row_bucket = 64  # recomputed-row capacities round up to this
 
-    config.policies = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend", "random", "oracle", "first_k")  # compared
+    config.policies = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend", "random", "oracle", "epic")  # compared
     config.sweep = ml_collections.ConfigDict()
     config.sweep.ratios = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)  # quality-vs-ratio sweep
     config.sweep.policies = ("cacheblend",)  # selectors swept (add "random" for the control curve)

@@ -4,7 +4,7 @@
 run reuses another's KV; full recompute is an ordinary engine request; every other policy is a blended request
 (``Engine.submit(..., chunks=ChunkReuse(...))``) whose ``SelectionConfig.selector`` is the
 reuse mode: "prefix" (prefix caching), "none" (full reuse), "all" (every non-prefix token
-recomputed), "cacheblend", "random", "oracle", "first_k". Teacher forcing feeds a
+recomputed), or any other selector of ``selection.SELECTORS``. Teacher forcing feeds a
 continuation behind the prompt as extra suffix tokens of the same blended request: they are
 recomputed in every layer over the policy's fused KV, so their logits equal a forward over
 the request's pages after the policy's prefill (chunk-token selection does not depend on
@@ -29,7 +29,7 @@ import numpy as np
 
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import BlendReport, ChunkReuse
-from kvjax.blend.selection import Roles, SelectionConfig
+from kvjax.blend.selection import SCHEDULE_SELECTORS, Roles, SelectionConfig, schedule
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.manager.hashing import check_token_ids
 from kvjax.sampling import SamplingParams
@@ -189,7 +189,7 @@ class Blender:
             raise RuntimeError(f"policy {policy!r} failed in request {rid!r}: {record.error}")
         out = self.engine.output(rid)
         logits = np.stack(out.logits) if out.prompt_logits is None else np.concatenate([out.prompt_logits, *(x[None] for x in out.logits[1:])])
-        checks = tuple(policy.check_layers) if not isinstance(policy, str) and policy.selector == "cacheblend" else ()
+        checks = schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
         return PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=record.blend_trace,
                          report=out.blend_report, qkv_checks=checks)
 

@@ -255,7 +255,7 @@ def blended_prefill(
         forced=forced_mask, rows=sel.rows, rows_valid=sel.rows_valid, counts=sel.counts, block_table=block_table,
         length=np.asarray([n], np.int32), probes=probes, num_cached=np.int32(num_cached),
     )
-    blend_plan = BlendPlan(checks=sel.checks, deviation=sel.deviation, num_probes=reuse.num_probes,
+    blend_plan = BlendPlan(checks=sel.checks, score=sel.score, num_probes=reuse.num_probes,
                            num_logits=reuse.num_prompt_logits)
     jax.block_until_ready((k, v))
     load_s = time.perf_counter() - t0

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.blend.reposition import reposition_keys
-from kvjax.blend.selection import Deviation, narrow, token_deviation
+from kvjax.blend.selection import FEATURES, CheckScore, check_features, check_score, narrow
 from kvjax.cache.layout import CacheLayout
 from kvjax.cache.pool import PagePool, slot_mapping, write_layer
 from kvjax.model import transformer
@@ -48,14 +48,14 @@ class BlendPlan:
 
     Attributes:
       checks: (layer, row capacity after narrowing) per check layer; empty = fixed rows.
-      deviation: "k", "v" or "kv" scoring at the checks.
+      score: how the checks score rows.
       num_probes: rows whose per-layer attention output is traced (0 = no trace).
       num_logits: logits returned for this many last prompt positions (>= 1; all of them
         must be recomputed rows, e.g. the suffix).
     """
 
     checks: tuple[tuple[int, int], ...] = ()
-    deviation: Deviation = "kv"
+    score: CheckScore = CheckScore()
     num_probes: int = 0
     num_logits: int = 1
 
@@ -123,7 +123,7 @@ def blend_layer(
     seq_v: jax.Array,
     inputs: BlendInputs,
     check: tuple[int, jax.Array] | None,
-    deviation: Deviation,
+    score: CheckScore,
     attn_impl: attention.Impl,
 ) -> tuple[RowState, jax.Array, jax.Array, jax.Array]:
     """One layer of the blended prefill.
@@ -134,6 +134,7 @@ def blend_layer(
       seq_k, seq_v: [T, K, d] reused KV of this layer at the actual positions (T a multiple
         of the page size).
       check: (capacity, count) to narrow the rows at this layer, or None.
+      score: how the check scores rows (unused without a check).
 
     Returns:
       (rows leaving the layer, fused seq_k, seq_v, attention output [M, H, d] of the rows).
@@ -142,7 +143,10 @@ def blend_layer(
     q, k, v = transformer.qkv(lp, cfg, layer, rows.x[None], row_pos[None])  # [1, M, *, d]
     if check is not None:
         capacity, count = check
-        dev = token_deviation(k[0], v[0], seq_k[rows.idx], seq_v[rows.idx], deviation)  # [M]
+        dev = check_score(
+            score, q[0], k[0], v[0], seq_k, seq_v, rows.idx, rows.valid, inputs.positions, inputs.deltas,
+            inputs.length[0], inputs.selectable, inputs.forced, cfg.sm_scale,
+        )  # [M]
         forced = inputs.forced[rows.idx] & rows.valid
         eligible = (inputs.selectable[rows.idx] | inputs.forced[rows.idx]) & rows.valid
         picked, valid = narrow(dev, forced, eligible, count, capacity)
@@ -210,7 +214,7 @@ def _trace(inputs: BlendInputs, rows: RowState, out: jax.Array) -> tuple[jax.Arr
     return attn, jnp.zeros(inputs.tokens.shape[0], bool).at[rows.idx].max(rows.valid)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layout", "checks", "deviation", "num_probes", "attn_impl"))
+@functools.partial(jax.jit, static_argnames=("cfg", "layout", "checks", "score", "num_probes", "attn_impl"))
 def _check_phase(
     params: transformer.Params,
     seq_k: tuple[jax.Array, ...],
@@ -220,28 +224,42 @@ def _check_phase(
     cfg: ModelConfig,
     layout: CacheLayout,
     checks: tuple[tuple[int, int], ...],
-    deviation: Deviation,
+    score: CheckScore,
     num_probes: int,
     attn_impl: attention.Impl,
-) -> tuple[RowState, tuple[jax.Array, ...], tuple[jax.Array, ...], list]:
+) -> tuple[RowState, tuple[jax.Array, ...], tuple[jax.Array, ...], list, jax.Array]:
     """Layers 0 .. last check layer in one program: all tokens, then narrowing at each check.
 
     ``seq_k``/``seq_v`` hold the reused KV of exactly these layers.
+
+    Returns:
+      (rows, seq_k, seq_v, per-layer traces, features [T, len(FEATURES)] of every token at
+      the first check layer, ``selection.check_features``; zeros unless ``num_probes``).
     """
     check_at = {layer: (i, capacity) for i, (layer, capacity) in enumerate(checks)}
     rows = initial_rows(params, cfg, inputs)
     seq_k, seq_v, traces = list(seq_k), list(seq_v), []
+    t = inputs.tokens.shape[0]
+    features = jnp.zeros((t, len(FEATURES)), jnp.float32)
     for layer in range(len(seq_k)):
         check = None
         if layer in check_at:
             i, capacity = check_at[layer]
             check = (capacity, inputs.counts[i])
+        if num_probes and layer == checks[0][0]:
+            row_pos = jnp.where(rows.valid, inputs.positions[rows.idx], -1)
+            q, k, v = transformer.qkv(params.layers[layer], cfg, layer, rows.x[None], row_pos[None])
+            feats = check_features(
+                q[0], k[0], v[0], seq_k[layer], seq_v[layer], rows.idx, rows.valid, inputs.positions, inputs.deltas,
+                inputs.length[0], inputs.selectable, inputs.forced, cfg.sm_scale, score.query_rows,
+            )  # [M, F]
+            features = features.at[jnp.where(rows.valid, rows.idx, t)].set(feats, mode="drop")
         rows, seq_k[layer], seq_v[layer], out = blend_layer(
-            params.layers[layer], cfg, layout, layer, rows, seq_k[layer], seq_v[layer], inputs, check, deviation, attn_impl,
+            params.layers[layer], cfg, layout, layer, rows, seq_k[layer], seq_v[layer], inputs, check, score, attn_impl,
         )
         if num_probes:
             traces.append(_trace(inputs, rows, out))
-    return rows, tuple(seq_k), tuple(seq_v), traces
+    return rows, tuple(seq_k), tuple(seq_v), traces, features
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "layer", "num_probes", "attn_impl"))
@@ -266,7 +284,7 @@ def layer_step(
     Returns:
       (rows, seq_k, seq_v, (attn [P, H*d], recomputed [T]) or None).
     """
-    rows, seq_k, seq_v, out = blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, "kv", attn_impl)
+    rows, seq_k, seq_v, out = blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, CheckScore(), attn_impl)
     return rows, seq_k, seq_v, (_trace(inputs, rows, out) if num_probes else None)
 
 
@@ -322,8 +340,9 @@ def blend_prefill(
     Returns:
       (logits [plan.num_logits, V] float32 of the last prompt tokens, the pool, trace or None).
       With ``plan.num_probes > 0`` the trace holds ``attn`` [L, P, H*d] (attention output of
-      the probe positions, zeros where a probe was not recomputed), ``recomputed`` [L, T] bool
-      and the fused KV ``k``, ``v`` [L, T, K, d] of the sequence.
+      the probe positions, zeros where a probe was not recomputed), ``recomputed`` [L, T] bool,
+      the fused KV ``k``, ``v`` [L, T, K, d] of the sequence and the ``features`` [T, F] of
+      every token at the first check layer (zeros without checks).
     """
     if inputs.tokens.shape[0] % layout.page_size:
         raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of page_size={layout.page_size}")
@@ -334,11 +353,12 @@ def blend_prefill(
     first = plan.checks[-1][0] + 1 if plan.checks else 0
     options = dict(cfg=cfg, layout=layout, num_probes=plan.num_probes, attn_impl=attn_impl)
     if first:
-        rows, head_k, head_v, traces = _check_phase(
-            params, seq_k[:first], seq_v[:first], inputs, checks=plan.checks, deviation=plan.deviation, **options
+        rows, head_k, head_v, traces, features = _check_phase(
+            params, seq_k[:first], seq_v[:first], inputs, checks=plan.checks, score=plan.score, **options
         )
     else:
         rows, head_k, head_v, traces = initial_rows_jit(params, cfg=cfg, inputs=inputs), (), (), []
+        features = jnp.zeros((inputs.tokens.shape[0], len(FEATURES)), jnp.float32)
     clock.lap("check_layers", rows.x)
     seq_k, seq_v = list(head_k) + list(seq_k[first:]), list(head_v) + list(seq_v[first:])
     for layer in range(first, cfg.num_layers):
@@ -355,5 +375,5 @@ def blend_prefill(
     out = None
     if plan.num_probes:
         out = {"attn": jnp.stack([t[0] for t in traces]), "recomputed": jnp.stack([t[1] for t in traces]),
-               "k": jnp.stack(seq_k), "v": jnp.stack(seq_v)}
+               "k": jnp.stack(seq_k), "v": jnp.stack(seq_v), "features": features}
     return logits, pool, out

@@ -6,11 +6,27 @@ Token roles in one blended prompt (T = padded token count)::
       exact, never selected    selectable: reused KV, recompute candidates   always recomputed
 
 Selectors (``SELECTORS``, by name) produce a ``Selection``: either a fixed set of rows
-recomputed in every layer (random, oracle, first-k per chunk, full reuse "none", full
-recompute "all", prefix caching "prefix"), or a deviation schedule
-(CacheBlend): all tokens run up to the first check layer; at each check layer the rows still
-being recomputed are scored by the deviation of their fresh K/V from the reused K/V and the
-set narrows to that layer's budget (gradual filtering). The suffix is always kept.
+recomputed in every layer, or a check schedule: all tokens run up to the first check layer;
+at each check layer the rows still being recomputed are scored (``CheckScore``) and the set
+narrows to that layer's budget. The suffix is always kept.
+
+  cacheblend         Yao et al., CacheBlend (EuroSys 2025): checks at ``check_layers`` with
+                     gradual filtering (budgets 2x, 1.5x, 1x of the target), scored by the
+                     deviation of fresh from reused K/V.
+  cacheblend_single  LMCache's production CacheBlend: one check at layer 1, top-k by the squared
+                     key difference, the indices frozen for all later layers.
+  epic               Hu et al., EPIC (position-independent context caching): the first
+                     ``ceil(ratio * len)`` tokens of every chunk, fixed in advance.
+  query_aware        the query-aware family (ProphetKV, QCFuse): chunk tokens scored by the
+                     attention they receive from the question (suffix) rows at the check layers.
+  query_aware_fused  the same attention fused with the K/V deviation (each divided by its mean
+                     over the candidates, then added).
+  learned            a small MLP over cheap features of the first check layer (``FEATURES``),
+                     trained offline on a training split (``kvjax.blend.scorer``); one check,
+                     indices frozen afterwards.
+  random             the control: a uniform sample of the same size.
+  oracle             the tokens of highest true deviation (needs full recompute; analysis).
+  none / all / prefix  full KV reuse / every non-prefix token / prefix caching.
 
 Row counts are dynamic (arrays) while row capacities are static and bucketed, so prompts of
 similar size share one compiled prefill. ``plan`` is the one function that turns a
@@ -32,7 +48,22 @@ from kvjax.config import ConfigError
 
 Deviation = Literal["k", "v", "kv"]
 DEVIATIONS = ("k", "v", "kv")
-SELECTORS = ("cacheblend", "random", "oracle", "first_k", "none", "all", "prefix")
+SELECTORS = (
+    "cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "learned", "random", "oracle",
+    "none", "all", "prefix",
+)
+ScoreKind = Literal["deviation", "attention", "fused", "learned"]
+SCORE_KINDS = ("deviation", "attention", "fused", "learned")
+_SCHEDULE_SCORES: dict[str, ScoreKind] = {
+    "cacheblend": "deviation", "cacheblend_single": "deviation", "query_aware": "attention",
+    "query_aware_fused": "fused", "learned": "learned",
+}
+"""Selectors that narrow at check layers, and how their checks score rows."""
+SCHEDULE_SELECTORS = tuple(_SCHEDULE_SCORES)
+_SINGLE_CHECK = ("cacheblend_single", "learned")
+"""Selectors with one check at ``check_layers[0]`` whose indices stay frozen afterwards."""
+FEATURES = ("log_k_deviation", "log_v_deviation", "log_attention", "log_stored_position", "prompt_fraction")
+"""Per-token features of a check layer (``check_features``), the learned scorer's inputs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +80,10 @@ class SelectionConfig:
       deviation: "k", "v" or "kv": which fresh-minus-reused difference scores a token.
       row_bucket: row capacities are rounded up to a multiple of this (avoids recompiles).
       seed: the "random" selector's seed.
+      query_rows: the last this many suffix rows are the queries whose attention scores
+        tokens ("query_aware", "query_aware_fused", "learned"), >= 1.
+      scorer: the "learned" selector's flat MLP parameters (``kvjax.blend.scorer``); empty
+        for every other selector.
     """
 
     selector: str = "cacheblend"
@@ -58,6 +93,8 @@ class SelectionConfig:
     deviation: Deviation = "kv"
     row_bucket: int = 64
     seed: int = 0
+    query_rows: int = 64
+    scorer: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         def number(value: object) -> bool:
@@ -67,7 +104,7 @@ class SelectionConfig:
             if not ok:
                 raise ConfigError(message)
 
-        for name in ("check_layers", "budgets"):
+        for name in ("check_layers", "budgets", "scorer"):
             value = getattr(self, name)
             require(isinstance(value, (list, tuple)), f"{name}={value!r} must be a list or tuple")
             object.__setattr__(self, name, tuple(value))
@@ -95,6 +132,19 @@ class SelectionConfig:
             f"row_bucket={self.row_bucket!r} must be an int >= 1",
         )
         require(isinstance(self.seed, int) and not isinstance(self.seed, bool), f"seed={self.seed!r} must be an int")
+        require(
+            isinstance(self.query_rows, int) and not isinstance(self.query_rows, bool) and self.query_rows >= 1,
+            f"query_rows={self.query_rows!r} must be an int >= 1",
+        )
+        if self.selector == "learned":
+            hidden = scorer_hidden(len(self.scorer))
+            require(
+                hidden is not None and all(number(w) and math.isfinite(w) for w in self.scorer),
+                f"scorer has {len(self.scorer)} values; selector 'learned' needs the finite flat parameters of an MLP "
+                f"over {len(FEATURES)} features (h * ({len(FEATURES)} + 2) + 1 values for h >= 1 hidden units)",
+            )
+        else:
+            require(not self.scorer, f"scorer holds {len(self.scorer)} values but only selector 'learned' uses one")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +182,24 @@ class Roles:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckScore:
+    """How a check layer scores the rows it narrows (static: part of the compiled prefill).
+
+    Attributes:
+      kind: "deviation" (fresh-minus-reused K/V, ``deviation``), "attention" (received from
+        the question rows), "fused" (both, each over its mean), "learned" (MLP of ``FEATURES``).
+      deviation: "k", "v" or "kv" for the "deviation" and "fused" kinds.
+      query_rows: how many of the last suffix rows are the attending queries.
+      weights: flat MLP parameters of the "learned" kind.
+    """
+
+    kind: ScoreKind = "deviation"
+    deviation: Deviation = "kv"
+    query_rows: int = 64
+    weights: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Selection:
     """A selector's decision, ready for the fusor.
 
@@ -140,14 +208,14 @@ class Selection:
       rows_valid: [M0] bool.
       checks: static (layer, row capacity) narrowing steps; empty = fixed set.
       counts: [len(checks)] int32 rows kept after each check (suffix included).
-      deviation: which difference scores tokens at the checks.
+      score: how the checks score rows.
     """
 
     rows: np.ndarray
     rows_valid: np.ndarray
     checks: tuple[tuple[int, int], ...] = ()
     counts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-    deviation: Deviation = "kv"
+    score: CheckScore = dataclasses.field(default_factory=lambda: CheckScore())
 
 
 def bucket(n: int, multiple: int) -> int:
@@ -195,9 +263,9 @@ def select_random(roles: Roles, ratio: float, rng: np.random.Generator, row_buck
     return select_fixed(roles, chosen, row_bucket)
 
 
-def select_first_k(roles: Roles, ratio: float, row_bucket: int) -> Selection:
-    """EPIC-style: the first ``ceil(ratio · len)`` tokens of every chunk (their attention-sink-like
-    beginnings carry most of the deviation of a chunk computed alone)."""
+def select_epic(roles: Roles, ratio: float, row_bucket: int) -> Selection:
+    """EPIC (Hu et al.): the first ``ceil(ratio · len)`` tokens of every chunk, fixed in advance
+    (a chunk computed alone puts attention-sink weight on its first tokens)."""
     chosen = [np.arange(s, s + math.ceil(ratio * (e - s) - 1e-9)) for s, e in roles.chunk_spans]
     return select_fixed(roles, np.concatenate(chosen or [np.zeros(0, int)]), row_bucket)
 
@@ -216,13 +284,23 @@ def select_oracle(roles: Roles, ratio: float, true_deviation: np.ndarray, row_bu
     return select_fixed(roles, np.flatnonzero(selectable)[order], row_bucket)
 
 
-def select_cacheblend(roles: Roles, config: SelectionConfig, padded: int, num_layers: int) -> Selection:
-    """The deviation schedule: all tokens until ``check_layers[0]``, then gradual filtering."""
-    if config.check_layers[-1] >= num_layers:
+def schedule(config: SelectionConfig) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """(check layers, budgets) a check-schedule selector runs: the config's, or for the
+    single-check selectors one check at ``check_layers[0]`` with budget 1."""
+    if config.selector in _SINGLE_CHECK:
+        return config.check_layers[:1], (1.0,)
+    return config.check_layers, config.budgets
+
+
+def select_schedule(roles: Roles, config: SelectionConfig, padded: int, num_layers: int) -> Selection:
+    """A check schedule: all tokens until the first check layer, then narrowing at each check
+    (gradual filtering when the budgets decrease), scored as ``config.selector`` scores."""
+    check_layers, budgets = schedule(config)
+    if check_layers[-1] >= num_layers:
         raise ValueError(f"check_layers={config.check_layers} must be < num_layers={num_layers}")
     target = target_count(roles, config.recompute_ratio)
     counts, checks = [], []
-    for layer, budget in zip(config.check_layers, config.budgets):
+    for layer, budget in zip(check_layers, budgets):
         count = roles.num_forced + min(roles.num_selectable, math.ceil(budget * target - 1e-9))
         counts.append(count)
         capacity = bucket(count, config.row_bucket)
@@ -230,9 +308,11 @@ def select_cacheblend(roles: Roles, config: SelectionConfig, padded: int, num_la
             capacity = min(capacity, checks[-1][1])
         checks.append((layer, min(capacity, padded)))
     rows = np.arange(padded, dtype=np.int32)
+    deviation = "k" if config.selector == "cacheblend_single" else config.deviation
+    score = CheckScore(kind=_SCHEDULE_SCORES[config.selector], deviation=deviation, query_rows=config.query_rows,
+                       weights=config.scorer)
     return Selection(
-        rows=rows, rows_valid=rows < roles.num_tokens, checks=tuple(checks),
-        counts=np.asarray(counts, np.int32), deviation=config.deviation,
+        rows=rows, rows_valid=rows < roles.num_tokens, checks=tuple(checks), counts=np.asarray(counts, np.int32), score=score,
     )
 
 
@@ -263,12 +343,12 @@ def plan(
       scores: [L, T] true deviation (the "oracle" selector only).
     """
     name, ratio, row_bucket = config.selector, config.recompute_ratio, config.row_bucket
-    if name == "cacheblend":
-        sel = select_cacheblend(roles, config, padded, num_layers)
+    if name in _SCHEDULE_SCORES:
+        sel = select_schedule(roles, config, padded, num_layers)
     elif name == "random":
         sel = select_random(roles, ratio, np.random.default_rng(config.seed), row_bucket)
-    elif name == "first_k":
-        sel = select_first_k(roles, ratio, row_bucket)
+    elif name == "epic":
+        sel = select_epic(roles, ratio, row_bucket)
     elif name == "oracle":
         if scores is None:
             raise ValueError("selector 'oracle' needs scores (the true deviation [L, T] from full recompute)")
@@ -302,12 +382,13 @@ def estimated_rows(roles: Roles, config: SelectionConfig, num_layers: int) -> in
         return roles.num_forced
     if config.selector in ("all", "prefix"):
         return roles.num_tokens - roles.prefix_len
-    if config.selector != "cacheblend":
+    if config.selector not in _SCHEDULE_SCORES:
         return roles.num_forced + target
-    counts = [roles.num_forced + min(roles.num_selectable, math.ceil(b * target)) for b in config.budgets]
-    ends = [*config.check_layers[1:], num_layers - 1]
-    rows = (config.check_layers[0] + 1) * (roles.num_tokens - roles.prefix_len)
-    rows += sum((end - check) * count for check, end, count in zip(config.check_layers, ends, counts))
+    check_layers, budgets = schedule(config)
+    counts = [roles.num_forced + min(roles.num_selectable, math.ceil(b * target)) for b in budgets]
+    ends = [*check_layers[1:], num_layers - 1]
+    rows = (check_layers[0] + 1) * (roles.num_tokens - roles.prefix_len)
+    rows += sum((end - check) * count for check, end, count in zip(check_layers, ends, counts))
     return max(1, math.ceil(rows / num_layers))
 
 
@@ -346,3 +427,121 @@ def narrow(
     top, picked = jax.lax.top_k(score, capacity)
     valid = (jnp.arange(capacity) < count) & (top > -jnp.inf)
     return picked.astype(jnp.int32), valid
+
+
+def scorer_hidden(num_params: int) -> int | None:
+    """Hidden units h of a flat learned-scorer parameter vector of ``num_params`` values
+    (``h * (len(FEATURES) + 2) + 1``), or None if no h >= 1 fits."""
+    h, rest = divmod(num_params - 1, len(FEATURES) + 2)
+    return h if h >= 1 and rest == 0 else None
+
+
+def mlp_score(weights: jax.Array | tuple[float, ...], features: jax.Array) -> jax.Array:
+    """The learned scorer: ``relu(features @ w1 + b1) @ w2 + b2``.
+
+    Args:
+      weights: flat parameters [h * (F + 2) + 1]: w1 [F, h] row-major, b1 [h], w2 [h], b2 [].
+      features: [..., F] float32 (``FEATURES``).
+
+    Returns:
+      [...] float32 logit of "recompute this token".
+    """
+    weights = jnp.asarray(weights, jnp.float32)
+    f = len(FEATURES)
+    h = scorer_hidden(weights.shape[0])
+    if h is None:
+        raise ValueError(f"scorer parameters: {weights.shape[0]} values is not h * ({f} + 2) + 1 for any h >= 1")
+    w1, b1 = weights[: f * h].reshape(f, h), weights[f * h : f * h + h]
+    w2, b2 = weights[f * h + h : f * h + 2 * h], weights[-1]
+    return jax.nn.relu(features @ w1 + b1) @ w2 + b2
+
+
+def received_attention(
+    q: jax.Array, query_pos: jax.Array, keys: jax.Array, key_pos: jax.Array, sm_scale: float, query_rows: int
+) -> jax.Array:
+    """Attention each key receives from the last ``query_rows`` query rows (summed over those
+    rows and all heads; each row's softmax over keys at positions <= its own).
+
+    Args:
+      q: [M, H, d] queries of the current rows (H a multiple of K).
+      query_pos: [M] int32 position of each row that may attend (the suffix), -1 otherwise.
+      keys: [T, K, d] keys of every token at its actual position.
+      key_pos: [T] int32 positions, -1 = padding.
+
+    Returns:
+      [T] float32 attention received, in units of attending query-heads (sums to the number
+      of attending rows times H).
+    """
+    m, h, d = q.shape
+    k = keys.shape[1]
+    qpos, pick = jax.lax.top_k(query_pos, min(query_rows, m))  # the last suffix rows
+    qs = q[pick].reshape(len(pick), k, h // k, d).astype(jnp.float32)  # [Q, K, G, d]
+    logits = jnp.einsum("qkgd,tkd->qkgt", qs, keys.astype(jnp.float32)) * sm_scale  # [Q, K, G, T]
+    visible = (key_pos[None, :] >= 0) & (key_pos[None, :] <= qpos[:, None]) & (qpos[:, None] >= 0)  # [Q, T]
+    logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
+    probs = jnp.where(visible[:, None, None], jax.nn.softmax(logits, axis=-1), 0.0)
+    return probs.sum(axis=(0, 1, 2))
+
+
+def check_features(
+    q: jax.Array, k_new: jax.Array, v_new: jax.Array, seq_k: jax.Array, seq_v: jax.Array, idx: jax.Array,
+    valid: jax.Array, positions: jax.Array, deltas: jax.Array, length: jax.Array, selectable: jax.Array,
+    forced: jax.Array, sm_scale: float, query_rows: int,
+) -> jax.Array:
+    """Per-row features of a check layer (``FEATURES``).
+
+    Deviations and attention are divided by their mean over the candidate rows (valid
+    selectable rows) before the log, so the features do not depend on the prompt's scale.
+    The attending queries are the last ``query_rows`` forced rows; they attend over the
+    layer's keys with the rows' fresh keys in place of the reused ones.
+
+    Args:
+      q: [M, H, d] fresh queries; k_new, v_new: [M, K, d] fresh K/V of the rows.
+      seq_k, seq_v: [T, K, d] reused K/V of the layer at the actual positions.
+      idx, valid: [M] token index and validity of each row.
+      positions: [T] int32 (-1 = padding); deltas: [T] actual minus stored position.
+      length: [] int32 prompt length; selectable, forced: [T] bool roles.
+
+    Returns:
+      [M, len(FEATURES)] float32.
+    """
+    t = seq_k.shape[0]
+    row_pos = jnp.where(valid, positions[idx], -1)
+    candidate = valid & selectable[idx]
+    dk = token_deviation(k_new, v_new, seq_k[idx], seq_v[idx], "k")
+    dv = token_deviation(k_new, v_new, seq_k[idx], seq_v[idx], "v")
+    keys = seq_k.at[jnp.where(valid, idx, t)].set(k_new.astype(seq_k.dtype), mode="drop")
+    attn = received_attention(q, jnp.where(valid & forced[idx], row_pos, -1), keys, positions, sm_scale, query_rows)[idx]
+
+    def log_relative(x: jax.Array) -> jax.Array:
+        mean = jnp.sum(jnp.where(candidate, x, 0.0)) / jnp.maximum(candidate.sum(), 1)
+        return jnp.log(x / jnp.maximum(mean, 1e-30) + 1e-6)
+
+    stored = jnp.maximum(row_pos - deltas[idx], 0).astype(jnp.float32)
+    fraction = row_pos.astype(jnp.float32) / jnp.maximum(length, 1).astype(jnp.float32)
+    return jnp.stack([log_relative(dk), log_relative(dv), log_relative(attn), jnp.log1p(stored), fraction], axis=-1)
+
+
+def check_score(
+    score: CheckScore, q: jax.Array, k_new: jax.Array, v_new: jax.Array, seq_k: jax.Array, seq_v: jax.Array,
+    idx: jax.Array, valid: jax.Array, positions: jax.Array, deltas: jax.Array, length: jax.Array,
+    selectable: jax.Array, forced: jax.Array, sm_scale: float,
+) -> jax.Array:
+    """Score [M] of each row at a check layer (higher = recompute); arguments as ``check_features``.
+
+    "deviation" is the squared fresh-minus-reused difference of ``score.deviation``;
+    "attention" the attention received from the question rows; "fused" that attention plus
+    the deviation, each divided by its mean over the candidate rows ("kv": the mean of the
+    relative K and V deviations); "learned" the MLP over the features.
+    """
+    if score.kind == "deviation":
+        return token_deviation(k_new, v_new, seq_k[idx], seq_v[idx], score.deviation)
+    feats = check_features(q, k_new, v_new, seq_k, seq_v, idx, valid, positions, deltas, length, selectable, forced,
+                           sm_scale, score.query_rows)
+    if score.kind == "learned":
+        return mlp_score(score.weights, feats)
+    attention_term = jnp.exp(feats[:, 2])
+    if score.kind == "attention":
+        return attention_term
+    dev = {"k": feats[:, 0:1], "v": feats[:, 1:2], "kv": feats[:, 0:2]}[score.deviation]
+    return attention_term + jnp.exp(dev).sum(axis=-1) / dev.shape[-1]
