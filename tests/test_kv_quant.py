@@ -1,0 +1,232 @@
+"""Quantized KV cache (int8 / fp8 values with per-token or per-page scales): page arithmetic,
+writes, page ops, host tier, the model over a quantized pool, and SmolLM2 through the engine
+(deviation from a float32 cache, host offload, snapshot round trip)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax.testing.paged as paged
+from kvjax.cache import (
+    CacheLayout,
+    QuantizedPages,
+    copy_pages,
+    dequantize_pages,
+    init_pool,
+    load_host_pages,
+    read_pages,
+    read_slots,
+    store_host_pages,
+    write_layer,
+    write_pages,
+)
+from kvjax.cache.quant import KV_STORAGE_DTYPES, qmax
+from kvjax.config import ConfigError, KvCacheConfig, SchedulerConfig
+from kvjax.engine import Engine
+from kvjax.metrics import kl_divergence
+from kvjax.sampling import SamplingParams
+from kvjax.snapshot import restore_snapshot, save_snapshot
+from kvjax.testing.tiny import tiny_model
+
+QUANT = [("int8", "token"), ("int8", "page"), ("fp8", "token"), ("fp8", "page")]
+PAGE, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def layout(dtype: str, granularity: str, pages: int = 8, windows: tuple[int, ...] = (64, 64, 64)) -> CacheLayout:
+    groups = len(dict.fromkeys(windows))
+    return CacheLayout(layer_windows=windows, num_pages=(pages,) * groups, page_size=PAGE, num_kv_heads=KV_HEADS,
+                       head_dim=HEAD_DIM, max_seq_len=64, dtype=dtype, scale_granularity=granularity)
+
+
+def step_bound(dtype: str, scale: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """Largest rounding error of one quantization: half an int8 step, or fp8's 3-bit mantissa."""
+    if dtype == "int8":
+        return 0.5 * scale + 1e-6
+    return 2.0**-4 * np.abs(exact) + 2.0**-9 * scale + 1e-6
+
+
+@pytest.mark.parametrize("dtype,granularity", QUANT)
+def test_bytes_per_token_include_scales_and_match_the_pool(dtype, granularity):
+    lay = layout(dtype, granularity)
+    pool = init_pool(lay)
+    allocated = sum(a.nbytes for a in jax.tree.leaves(pool))
+    scale_slots = PAGE if granularity == "token" else 1
+    per_page_layer = 2 * KV_HEADS * (PAGE * HEAD_DIM * 1 + scale_slots * 4)
+    assert lay.bytes_per_page(0) == 3 * per_page_layer
+    assert allocated == lay.pool_bytes() == 8 * 3 * per_page_layer
+    assert lay.bytes_per_token == -(-3 * per_page_layer // PAGE)
+    if granularity == "token":
+        assert lay.bytes_per_token == 2 * 3 * KV_HEADS * (HEAD_DIM + 4)
+    float_layout = layout("float32", granularity)
+    assert float_layout.bytes_per_token == 2 * 3 * KV_HEADS * HEAD_DIM * 4
+
+
+def test_bad_dtype_and_granularity_are_refused():
+    with pytest.raises(ValueError, match=r"dtype='int4' must be one of \('float32', 'bfloat16', 'float16', 'int8', 'fp8'\)"):
+        layout("int4", "token")
+    with pytest.raises(ValueError, match=r"scale_granularity='row' must be one of \('token', 'page'\)"):
+        layout("int8", "row")
+    with pytest.raises(ConfigError, match=r"scale_granularity='block' must be one of \('token', 'page'\)"):
+        KvCacheConfig(dtype="int8", scale_granularity="block")
+    assert KvCacheConfig(dtype="fp8").dtype == "fp8"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_token_scales_are_each_tokens_absmax(dtype):
+    lay = layout(dtype, "token", windows=(64,))
+    pages = init_pool(lay).k[0]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, KV_HEADS, HEAD_DIM)) * np.array([1.0, 30.0])[:, None, None, None], jnp.float32)
+    ids = jnp.array([[1, 1, 1, 1, 2], [3, 3, 3, 3, 4]], jnp.int32)
+    offsets = jnp.array([[0, 1, 2, 3, 0], [0, 1, 2, 3, 0]], jnp.int32)
+    pages = write_layer(pages, ids, offsets, x)
+    assert pages.values.dtype == KV_STORAGE_DTYPES[dtype]
+    expected_scales = np.max(np.abs(np.asarray(x)), axis=-1) / qmax(pages.values.dtype)
+    np.testing.assert_allclose(np.asarray(pages.scales)[np.asarray(ids), np.asarray(offsets)], expected_scales, rtol=1e-6)
+    back = np.asarray(read_slots(pages, ids, offsets))
+    assert np.all(np.abs(back - np.asarray(x)) <= step_bound(dtype, expected_scales[..., None], np.asarray(x)))
+    assert not np.array_equal(back, np.asarray(x))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_page_scales_are_the_running_absmax_and_restart_at_offset_zero(dtype):
+    lay = layout(dtype, "page", windows=(64,))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(1, 8, KV_HEADS, HEAD_DIM)) * np.linspace(0.5, 4.0, 8)[None, :, None, None], jnp.float32)
+    ids = jnp.array([[5, 5, 5, 5, 6, 6, 6, 6]], jnp.int32)
+    offsets = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3]], jnp.int32)
+    at_once = write_layer(init_pool(lay).k[0], ids, offsets, x)
+    one_by_one = init_pool(lay).k[0]
+    for t in range(8):  # decode: growing tokens raise the page scale and re-quantize the page
+        one_by_one = write_layer(one_by_one, ids[:, t : t + 1], offsets[:, t : t + 1], x[:, t : t + 1])
+    absmax = np.max(np.abs(np.asarray(x[0]).reshape(2, 4, KV_HEADS, HEAD_DIM)), axis=(1, 3)) / qmax(at_once.values.dtype)
+    for pages in (at_once, one_by_one):
+        np.testing.assert_allclose(np.asarray(pages.scales)[5:7, 0], absmax, rtol=1e-6)
+        back = np.asarray(read_slots(pages, ids, offsets))
+        scale = np.asarray(pages.scales)[np.asarray(ids), 0][..., None]
+        assert np.all(np.abs(back - np.asarray(x)) <= 4 * step_bound(dtype, scale, np.asarray(x)))
+    # A new occupant of page 5 (offset 0 written again) does not inherit the old, larger scale.
+    small = 0.01 * x[:, :2]
+    reused = write_layer(one_by_one, ids[:, :2], offsets[:, :2], small)
+    np.testing.assert_allclose(np.asarray(reused.scales)[5, 0],
+                               np.max(np.abs(np.asarray(small[0])), axis=(0, 2)) / qmax(reused.values.dtype), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(reused.values)[6], np.asarray(one_by_one.values)[6])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_page_scale_writes_agree_whether_they_touch_a_few_pages_or_sweep_the_pool(dtype):
+    """A write of fewer slots than the pool has pages re-quantizes only those pages; a larger
+    one sweeps the pool. Both leave the written pages identical."""
+    rng = np.random.default_rng(2)
+    first = jnp.asarray(rng.normal(size=(1, 6, KV_HEADS, HEAD_DIM)), jnp.float32)
+    second = jnp.asarray(3 * rng.normal(size=(1, 3, KV_HEADS, HEAD_DIM)), jnp.float32)
+    ids1, off1 = jnp.array([[1, 1, 1, 1, 2, 2]], jnp.int32), jnp.array([[0, 1, 2, 3, 0, 1]], jnp.int32)
+    ids2, off2 = jnp.array([[2, 2, 3]], jnp.int32), jnp.array([[2, 3, 0]], jnp.int32)
+    results = []
+    for num_pages in (4, 64):  # 3 slots >= 4 - 1 ... the small pool is swept; 64 pages are touched one by one
+        pages = init_pool(layout(dtype, "page", pages=num_pages, windows=(64,))).k[0]
+        pages = write_layer(write_layer(pages, ids1, off1, first), ids2, off2, second)
+        results.append(jax.tree.map(lambda a: np.asarray(a)[:4], pages))
+    np.testing.assert_array_equal(results[0].values, results[1].values)
+    np.testing.assert_array_equal(results[0].scales, results[1].scales)
+
+
+@pytest.mark.parametrize("dtype,granularity", QUANT)
+def test_page_ops_and_host_tier_move_values_and_scales_exactly(dtype, granularity):
+    lay = layout(dtype, granularity, windows=(16, 64, 16), pages=6)
+    rng = np.random.default_rng(3)
+    pool = init_pool(lay)
+    ids = jnp.asarray(np.repeat(np.arange(1, 6), PAGE)[None], jnp.int32)
+    offsets = jnp.asarray(np.tile(np.arange(PAGE), 5)[None], jnp.int32)
+    fill = lambda pages: write_layer(pages, ids, offsets, jnp.asarray(rng.normal(size=(1, 5 * PAGE, KV_HEADS, HEAD_DIM)), jnp.float32))  # noqa: E731
+    pool = type(pool)(k=tuple(fill(p) for p in pool.k), v=tuple(fill(p) for p in pool.v))
+    before = jax.tree.map(np.asarray, pool)
+    pool = copy_pages(pool, lay, 0, jnp.array([1, 2]), jnp.array([4, 5]))
+    for layer in (0, 2):
+        for a, b in zip(jax.tree.leaves(pool.k[layer]), jax.tree.leaves(before.k[layer])):
+            np.testing.assert_array_equal(np.asarray(a)[4:6], b[1:3])
+    kv = jax.device_get(read_pages(pool, lay, 1, jnp.array([3, 1])))
+    host = lay.host_zeros(1, 4)
+    assert jax.tree.structure(host) == jax.tree.structure(kv)
+    store_host_pages(host, np.array([2, 0]), kv)
+    back = load_host_pages(host, np.array([2, 0]), 4)
+    pool = write_pages(pool, lay, 1, jnp.array([2, 5, 0, 0]), back)
+    for a, b in zip(jax.tree.leaves(pool.k[1]), jax.tree.leaves(before.k[1])):
+        np.testing.assert_array_equal(np.asarray(a)[2], b[3])
+        np.testing.assert_array_equal(np.asarray(a)[5], b[1])
+    np.testing.assert_array_equal(dequantize_pages(pool.v[1])[2], dequantize_pages(before.v[1])[3])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_tiny_model_over_a_quantized_pool(dtype, monkeypatch):
+    """Per-token scales never re-round a written token, so chunked prefill with decode steps
+    equals one-shot prefill; the logits stay close to a float32 cache's."""
+    cfg, params = tiny_model()
+    tokens = np.random.default_rng(4).integers(3, cfg.vocab_size, 80)
+    exact, _, _ = paged.chunked_logits(params, cfg, tokens, [80])
+    base_layout = paged.single_group_layout
+    monkeypatch.setattr(paged, "single_group_layout",
+                        lambda *a, **k: dataclasses.replace(base_layout(*a, **k), dtype=dtype, scale_granularity="token"))
+    one_shot, pool, _ = paged.chunked_logits(params, cfg, tokens, [80])
+    chunked, _, _ = paged.chunked_logits(params, cfg, tokens, [32, 20, 1, 1, 26])
+    assert isinstance(pool.k[0], QuantizedPages) and pool.k[0].values.dtype == KV_STORAGE_DTYPES[dtype]
+    np.testing.assert_allclose(chunked, one_shot, atol=2e-5)
+    kl = float(np.mean(kl_divergence(exact, one_shot)))
+    assert 0 < kl < (1e-4 if dtype == "int8" else 2e-3)
+    assert np.mean(exact.argmax(-1) == one_shot.argmax(-1)) >= 0.95
+
+
+def _engine(model, dtype: str, granularity: str = "token", max_seq_len: int = 640, **kv) -> Engine:
+    kv = {"tokens_per_block": 32, "max_tokens": 32 * 40, "dtype": dtype, "scale_granularity": granularity, **kv}
+    scheduler = SchedulerConfig(max_num_tokens=1024, prefill_chunk_size=1024)
+    return Engine(model, KvCacheConfig(**kv), scheduler, max_seq_len=max_seq_len)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(smollm2, reference_text) -> list[int]:
+    return smollm2.tokenizer.encode(reference_text)[:540]
+
+
+@pytest.fixture(scope="module")
+def float32_run(smollm2, long_prompt):
+    [out] = _engine(smollm2, "float32").generate([long_prompt], SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True))
+    return out
+
+
+@pytest.mark.parametrize("dtype,granularity", [("int8", "token"), ("fp8", "page")])
+def test_smollm2_quantized_cache_deviates_little_from_float32(smollm2, long_prompt, float32_run, dtype, granularity):
+    engine = _engine(smollm2, dtype, granularity)
+    assert engine.layout.dtype == dtype and engine.layout.scale_granularity == granularity
+    assert engine.cache_size.bytes_per_token < _engine(smollm2, "float32").cache_size.bytes_per_token / 3.5
+    [out] = engine.generate([long_prompt], SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True))
+    kl = kl_divergence(np.stack(float32_run.logits), np.stack(out.logits))
+    assert 0 < float(np.mean(kl)) < (0.01 if dtype == "int8" else 0.05)
+    assert out.output[:4] == float32_run.output[:4]
+
+
+def test_smollm2_quantized_snapshot_and_host_tier_round_trip_exactly(smollm2, long_prompt, tmp_path):
+    page_bytes = _engine(smollm2, "int8", tokens_per_block=16).layout.bytes_per_page(0)
+    make = lambda: _engine(smollm2, "int8", max_seq_len=256, tokens_per_block=16, max_tokens=16 * 24,  # noqa: E731
+                           host_cache_size=16 * page_bytes)
+    engine = make()
+    greedy = SamplingParams(max_new_tokens=4, ignore_eos=True, return_logits=True)
+    prompts = [long_prompt[:150], long_prompt[150:295], long_prompt[295:440]]  # one prefill and one decode shape
+    for p in prompts:  # the later prompts push blocks of the first to the host tier
+        engine.generate([p], greedy)
+    assert engine.manager.num_cached_blocks(0, "host") > 0
+    save_snapshot(engine, tmp_path)
+    restored = make()
+    restore_snapshot(restored, tmp_path)
+    for a, b in zip(jax.tree.leaves((engine.pool, engine.host_pools)), jax.tree.leaves((restored.pool, restored.host_pools))):
+        assert a.dtype == b.dtype and a.dtype in (jnp.int8, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    query = prompts[0] + [30, 31]
+    [original] = engine.generate([query], greedy)
+    [again] = restored.generate([query], greedy)
+    assert original.num_reused_tokens >= 144 and restored.manager.stats.onboarded_pages > 0
+    assert again.output == original.output
+    np.testing.assert_array_equal(np.stack(again.logits), np.stack(original.logits))
