@@ -5,8 +5,10 @@ and how many distinct prompts stay reusable with a host tier.
     python -m experiments.run --config=configs/bench_memory.py --config.windows.lengths='(1024, 2048, 4096, 8192)'
 
 Three parts, side by side in one run folder (``memory.md`` table, ``memory.png`` plot):
-  attention  MHA / GQA / MQA on SmolLM2's geometry: bytes/token from the layout formula
-             against the bytes of an allocated pool;
+  attention  MHA / GQA / MQA on SmolLM2's geometry, per KV dtype (float32, bfloat16, and
+             int8 / fp8 with per-token or per-page float32 scales): bytes/token from the
+             layout formula (scales included) against the bytes of an allocated pool, and
+             the tokens that fit a fixed budget;
   windows    pages held per layer group by one running request of each length, on the real
              engine (Gemma 3's own 512-token windows; SmolLM2 with ``max_attention_window``);
   offload    distinct prompts still reusable after a fill, with 0 or N x the device cache
@@ -25,7 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.attention = ml_collections.ConfigDict()
     config.attention.model = "smollm2-135m"  # geometry (layers, heads, head_dim) of the comparison
     config.attention.kv_heads = (9, 3, 1)  # MHA (= query heads), GQA (the model's), MQA
-    config.attention.dtypes = ("float32", "bfloat16")  # KV storage dtypes
+    config.attention.dtypes = ("float32", "bfloat16", "int8", "fp8")  # KV dtypes (KvCacheConfig.dtype)
+    config.attention.scale_granularities = ("token", "page")  # scales of the quantized dtypes
+    config.attention.budget_bytes = 1 << 30  # fixed memory budget for the tokens-that-fit column
     config.attention.num_pages = 8  # pages of the allocated pool that checks the formula
     config.attention.page_size = 32  # tokens per page
 

@@ -1,4 +1,6 @@
-"""KV-cache memory: bytes/token by attention type, windowed layer groups, host-offload capacity.
+"""KV-cache memory: bytes/token by attention type and KV dtype (quantized int8 / fp8 with
+their scales included), tokens that fit a fixed budget, windowed layer groups, host-offload
+capacity.
 
 See ``configs/bench_memory.py`` for the three parts and the command.
 """
@@ -15,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import report
-from kvjax.cache import NULL_PAGE, CacheLayout, PagePool, init_pool
+from kvjax.cache import NULL_PAGE, QUANTIZED_DTYPES, CacheLayout, PagePool, init_pool
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.registry import Model, load_model
@@ -25,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ATTENTION_KIND = {1: "MQA"}
-DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "i8", "fp8": "fp8"}
 
 
 def pool_nbytes(pool: PagePool) -> int:
@@ -33,27 +35,42 @@ def pool_nbytes(pool: PagePool) -> int:
     return sum(int(a.nbytes) for a in jax.tree.leaves(pool))
 
 
+def storage_variants(dtypes: tuple[str, ...], granularities: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(dtype, scale granularity) pairs: each quantized dtype with every granularity, the float dtypes once."""
+    return [(d, g) for d in dtypes for g in (granularities if d in QUANTIZED_DTYPES else ("-",))]
+
+
 def attention_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
-    """bytes/token of each (KV heads, dtype): the layout's formula and an allocated pool's bytes per slot."""
+    """bytes/token of each (KV heads, dtype, scale granularity): the layout's formula (scales
+    included) checked against an allocated pool, and the tokens that fit ``budget_bytes``."""
     cfg, c = model.config, config.attention
     rows = []
     for kv_heads in c.kv_heads:
         if cfg.num_heads % kv_heads:
             raise ValueError(f"attention.kv_heads entry {kv_heads} must divide num_heads={cfg.num_heads}")
         kind = "MHA" if kv_heads == cfg.num_heads else ATTENTION_KIND.get(kv_heads, "GQA")
-        for dtype in c.dtypes:
+        for dtype, granularity in storage_variants(c.dtypes, c.scale_granularities):
             layout = CacheLayout(
                 layer_windows=(cfg.max_seq_len,) * cfg.num_layers, num_pages=(c.num_pages,), page_size=c.page_size,
                 num_kv_heads=kv_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len, dtype=dtype,
+                scale_granularity="token" if granularity == "-" else granularity,
             )
             allocated = pool_nbytes(init_pool(layout))
+            if allocated != layout.pool_bytes():
+                raise RuntimeError(f"{dtype}/{granularity}: allocated pool {allocated} B != layout.pool_bytes() {layout.pool_bytes()} B")
+            page_bytes = layout.bytes_per_page(0)
             rows.append({
-                "attention": kind, "kv_heads": kv_heads, "dtype": dtype, "layers": cfg.num_layers, "head_dim": cfg.head_dim,
-                "bytes_per_token": layout.bytes_per_token,
+                "attention": kind, "kv_heads": kv_heads, "dtype": dtype, "scales": granularity, "layers": cfg.num_layers,
+                "head_dim": cfg.head_dim, "bytes_per_token": layout.bytes_per_token,
                 "allocated_bytes_per_slot": allocated / (c.num_pages * c.page_size),
-                "tokens_per_GiB": (1 << 30) // layout.bytes_per_token,
+                "tokens_in_budget": c.budget_bytes // page_bytes * c.page_size,
+                "vs_float32": round(_float32_bytes(cfg, kv_heads) / (page_bytes / c.page_size), 3),
             })
     return rows
+
+
+def _float32_bytes(cfg, kv_heads: int) -> int:
+    return 2 * cfg.num_layers * kv_heads * cfg.head_dim * 4
 
 
 def window_rows(config: ml_collections.ConfigDict, model: Model, rng: np.random.Generator) -> list[dict]:
@@ -125,9 +142,10 @@ def offload_rows(config: ml_collections.ConfigDict, model: Model, rng: np.random
 def plot(attention: list[dict], windows: list[dict], offload: list[dict], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
-    labels = [f"{r['attention']}\n{r['kv_heads']} kv, {DTYPE_SHORT.get(r['dtype'], r['dtype'])}" for r in attention]
+    labels = [f"{r['attention']}\n{DTYPE_SHORT.get(r['dtype'], r['dtype'])}{'' if r['scales'] == '-' else '/' + r['scales'][0]}"
+              for r in attention]
     ax.bar(range(len(attention)), [r["bytes_per_token"] / 1024 for r in attention])
-    ax.set_xticks(range(len(attention)), labels, fontsize=7)
+    ax.set_xticks(range(len(attention)), labels, fontsize=6)
     ax.set(ylabel="KiB / token", title="KV bytes per token (all layers)")
     ax = axes[1]
     for (model, group), rows in _by(windows, ("model", "group")).items():
@@ -162,7 +180,8 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         report.write_csv(workdir / f"{name}.csv", rows)
     plot(attention, windows, offload, workdir / "memory.png")
     sections = [
-        ("KV bytes per token (layout formula vs allocated pool)", report.markdown_table(attention)),
+        (f"KV bytes per token (layout formula vs allocated pool, scales included) and tokens in "
+         f"{config.attention.budget_bytes:,} bytes", report.markdown_table(attention)),
         ("Pages held per layer group by one running request", report.markdown_table(windows)),
         ("Distinct prompts reusable after the fill", report.markdown_table(offload)),
         ("Plot", "![memory](memory.png)\n"),
