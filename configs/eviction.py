@@ -20,6 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.tokens_per_block = 32  # tokens per block/page
     config.num_device_pages = 1025  # device pages of the simulated manager, the null page included
     config.host_pages = (0, 1024)  # host tier sizes to compare, in pages (0 = no offload)
+    config.disk_pages = (0, 4096)  # disk tier sizes run below each host tier > 0, in pages (0 = none)
     config.bytes_per_page = 2 * 30 * 3 * 64 * 32 * 4  # bytes one page moves (SmolLM2 f32, 32 tokens: 1.4 MiB)
     config.max_seq_len = 4096  # longest prompt + output, tokens
 

@@ -106,12 +106,13 @@ def make_trace(cfg: ml_collections.ConfigDict, vocab_size: int) -> list[TraceReq
     return trace
 
 
-def make_manager(cfg: ml_collections.ConfigDict, num_host_pages: int) -> KVCacheManager:
+def make_manager(cfg: ml_collections.ConfigDict, num_host_pages: int, num_disk_pages: int = 0) -> KVCacheManager:
     """A manager with ``cfg.num_device_pages`` device pages (null page included), full attention."""
-    kv = KvCacheConfig(tokens_per_block=cfg.tokens_per_block, host_cache_size=num_host_pages * cfg.bytes_per_page)
+    kv = KvCacheConfig(tokens_per_block=cfg.tokens_per_block, host_cache_size=num_host_pages * cfg.bytes_per_page,
+                       disk_cache_size=num_disk_pages * cfg.bytes_per_page)
     return KVCacheManager(
-        kv, layer_windows=(cfg.max_seq_len,), num_device_pages=cfg.num_device_pages,
-        num_host_pages=num_host_pages, max_seq_len=cfg.max_seq_len, bytes_per_page=cfg.bytes_per_page,
+        kv, layer_windows=(cfg.max_seq_len,), num_device_pages=cfg.num_device_pages, num_host_pages=num_host_pages,
+        num_disk_pages=num_disk_pages, max_seq_len=cfg.max_seq_len, bytes_per_page=cfg.bytes_per_page,
     )
 
 
@@ -139,7 +140,9 @@ class ReplayResult:
     device_evictions: int
     host_evictions: int
     offloaded_bytes: int
+    spilled_bytes: int
     onboarded_bytes: int
+    disk_onboarded_bytes: int
     seconds: dict[str, float]
     blocks: dict[str, int]
     calls: dict[str, int]
@@ -226,7 +229,8 @@ def replay(mgr: KVCacheManager, trace: Sequence[TraceRequest], *, priorities: bo
     cpu_share = min(1.0, (time.process_time() - cpu0) / max(clock() - wall0, 1e-9))
     s = mgr.stats
     return ReplayResult(s.token_hit_rate, s.block_hit_rate, s.device_evictions, s.host_evictions,
-                        s.offloaded_bytes, s.onboarded_bytes, seconds, blocks, calls, cpu_share)
+                        s.offloaded_bytes, s.spilled_bytes, s.onboarded_bytes, s.disk_onboarded_bytes, seconds,
+                        blocks, calls, cpu_share)
 
 
 def block_accesses(trace: Sequence[TraceRequest], tokens_per_block: int) -> Iterator[tuple[bytes, bool]]:
@@ -276,21 +280,25 @@ def belady_hit_rate(accesses: Sequence[tuple[bytes, bool]], capacity: int) -> fl
 
 
 def simulate(cfg: ml_collections.ConfigDict, trace: Sequence[TraceRequest]) -> list[dict]:
-    """Rows of (policy, host pages) → hit rates, traffic and µs per block op, manager only."""
+    """Rows of (policy, host pages, disk pages) → hit rates, traffic and µs per block op,
+    manager only; the disk tier sizes run below every host tier size > 0."""
     accesses = list(block_accesses(trace, cfg.tokens_per_block))
     rows = []
     for host in cfg.host_pages:
-        for policy in ("priority-LRU", "LRU"):
-            res = replay(make_manager(cfg, host), trace, priorities=policy == "priority-LRU", desc=f"{policy} host={host}")
-            rows.append({
-                "policy": policy, "host_pages": host, "token_hit_rate": res.token_hit_rate,
-                "block_hit_rate": res.block_hit_rate, "device_evictions": res.device_evictions,
-                "host_evictions": res.host_evictions, "offloaded_MB": res.offloaded_bytes / 2**20,
-                "onboarded_MB": res.onboarded_bytes / 2**20,
-                **{f"us_per_{k}_block": res.us_per_block(k) for k in OP_KINDS},
-            })
-        rows.append({"policy": "Belady (offline)", "host_pages": host,
-                     "block_hit_rate": belady_hit_rate(accesses, cfg.num_device_pages - 1 + host)})
+        for disk in cfg.disk_pages if host else (0,):
+            for policy in ("priority-LRU", "LRU"):
+                res = replay(make_manager(cfg, host, disk), trace, priorities=policy == "priority-LRU",
+                             desc=f"{policy} host={host} disk={disk}")
+                rows.append({
+                    "policy": policy, "host_pages": host, "disk_pages": disk, "token_hit_rate": res.token_hit_rate,
+                    "block_hit_rate": res.block_hit_rate, "device_evictions": res.device_evictions,
+                    "host_evictions": res.host_evictions, "offloaded_MB": res.offloaded_bytes / 2**20,
+                    "spilled_MB": res.spilled_bytes / 2**20, "onboarded_MB": res.onboarded_bytes / 2**20,
+                    "disk_onboarded_MB": res.disk_onboarded_bytes / 2**20,
+                    **{f"us_per_{k}_block": res.us_per_block(k) for k in OP_KINDS},
+                })
+            rows.append({"policy": "Belady (offline)", "host_pages": host, "disk_pages": disk,
+                         "block_hit_rate": belady_hit_rate(accesses, cfg.num_device_pages - 1 + host + disk)})
     return rows
 
 
@@ -335,16 +343,17 @@ def engine_check(cfg: ml_collections.ConfigDict) -> list[dict]:
 
 
 def plot(rows: Sequence[dict], path: pathlib.Path) -> None:
-    """Grouped bars: block hit rate per policy, without and with the host tier."""
-    hosts = sorted({r["host_pages"] for r in rows})
+    """Grouped bars: block hit rate per policy, per (host, disk) tier sizes."""
+    tiers = sorted({(r["host_pages"], r["disk_pages"]) for r in rows})
     policies = ["LRU", "priority-LRU", "Belady (offline)"]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     width = 0.8 / len(policies)
     for j, policy in enumerate(policies):
-        values = [next(r["block_hit_rate"] for r in rows if r["policy"] == policy and r["host_pages"] == h) for h in hosts]
-        bars = ax.bar(np.arange(len(hosts)) + (j - 1) * width, values, width, label=policy)
+        values = [next(r["block_hit_rate"] for r in rows if r["policy"] == policy
+                       and (r["host_pages"], r["disk_pages"]) == t) for t in tiers]
+        bars = ax.bar(np.arange(len(tiers)) + (j - 1) * width, values, width, label=policy)
         ax.bar_label(bars, fmt="%.3f", fontsize=7)
-    ax.set_xticks(np.arange(len(hosts)), [f"host pages = {h}" for h in hosts])
+    ax.set_xticks(np.arange(len(tiers)), [f"host {h}\ndisk {d}" for h, d in tiers])
     ax.set_ylabel("block hit rate")
     ax.set_ylim(0, 1)
     ax.legend(loc="upper left", fontsize=8)
@@ -369,10 +378,11 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                   f"{sum(len(r.prompt) for r in trace)} prompt tokens, {config.tokens_per_block} tokens/block, "
                   f"{config.num_device_pages - 1} device pages.\n"),
         ("Hit rates (manager-only simulation)", report.markdown_table(
-            rows, ["policy", "host_pages", "block_hit_rate", "token_hit_rate", "device_evictions", "host_evictions",
-                   "offloaded_MB", "onboarded_MB"])),
+            rows, ["policy", "host_pages", "disk_pages", "block_hit_rate", "token_hit_rate", "device_evictions",
+                   "host_evictions", "offloaded_MB", "spilled_MB", "onboarded_MB", "disk_onboarded_MB"])),
         ("Host cost, µs per block operation", report.markdown_table(
-            [r for r in rows if "us_per_match_block" in r], ["policy", "host_pages"] + [f"us_per_{k}_block" for k in OP_KINDS])),
+            [r for r in rows if "us_per_match_block" in r],
+            ["policy", "host_pages", "disk_pages"] + [f"us_per_{k}_block" for k in OP_KINDS])),
         ("Hit rates", "![hit rates](hit_rates.png)\n"),
     ]
     if engine_rows:

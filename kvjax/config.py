@@ -253,6 +253,15 @@ class KvCacheConfig:
             f"use_kv_cache_manager_v2={v2!r} must be 'auto', 'true' or 'false'",
         )
 
+    def content_fields(self) -> dict[str, Any]:
+        """The fields that decide what the cache holds, JSON-ready: every field but
+        ``disk_cache_dir`` (where the disk tier's file lives). Snapshots must match on these."""
+        fields = dataclasses.asdict(self)
+        del fields["disk_cache_dir"]
+        if fields["max_attention_window"] is not None:
+            fields["max_attention_window"] = list(fields["max_attention_window"])
+        return fields
+
     def windows_for(self, num_layers: int, max_seq_len: int) -> tuple[int, ...]:
         """Attention window of every layer: the list cycled to ``num_layers``, capped at max_seq_len."""
         pattern = self.max_attention_window or (max_seq_len,)

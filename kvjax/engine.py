@@ -44,8 +44,12 @@ import collections
 import dataclasses
 import itertools
 import logging
+import pathlib
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -54,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention
-from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, choose_cache_size, init_pool, require_fits
+from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, QuantizedPages, choose_cache_size, init_pool, require_fits
 from kvjax.cache.pool import copy_pages, load_host_pages, read_pages, store_host_pages, write_pages
 from kvjax.config import (
     ConfigError,
@@ -234,12 +238,14 @@ class Engine:
         bytes_per_page = [self.layout.bytes_per_page(g) for g in range(self.layout.num_groups)]
         num_host_pages = kv_cache_config.host_cache_size // sum(bytes_per_page)
         require_fits(kv_cache_config, self.cache_size, num_host_pages * sum(bytes_per_page))
+        num_disk_pages = kv_cache_config.disk_cache_size // sum(bytes_per_page) if num_host_pages else 0
         self.manager = KVCacheManager(
             kv_cache_config, layer_windows=windows, num_device_pages=num_pages, num_host_pages=num_host_pages,
-            max_seq_len=self.max_seq_len, bytes_per_page=bytes_per_page,
+            num_disk_pages=num_disk_pages, max_seq_len=self.max_seq_len, bytes_per_page=bytes_per_page,
         )
         self.pool: PagePool = init_pool(self.layout)
         self.host_pools = [self.layout.host_zeros(g, num_host_pages) for g in range(self.layout.num_groups)] if num_host_pages else []
+        self.disk_pools = self._disk_pools(kv_cache_config, num_disk_pages) if num_disk_pages else []
         self.scheduler = Scheduler(scheduler_config, self.manager)
         self.requests: dict[str, RequestRecord] = {}
         self.max_finished_requests = max_finished_requests
@@ -255,6 +261,21 @@ class Engine:
         """Cumulative seconds and token counts by phase (prefill / decode / page_ops). Speculative
         decodes add draft_s (drafting, within decode_s), spec_rows (sequence-steps verified),
         spec_drafted and spec_accepted (draft tokens proposed and accepted)."""
+
+    def _disk_pools(self, config: KvCacheConfig, num_disk_pages: int) -> list[np.ndarray | QuantizedPages]:
+        """One memory-mapped disk pool per layer group, in a folder removed with the engine."""
+        parent = pathlib.Path(config.disk_cache_dir or tempfile.gettempdir())
+        parent.mkdir(parents=True, exist_ok=True)
+        need = num_disk_pages * sum(self.layout.bytes_per_page(g) for g in range(self.layout.num_groups))
+        free = shutil.disk_usage(parent).free
+        if need > free:
+            raise ValueError(
+                f"kv_cache_config.disk_cache_size={config.disk_cache_size:,} needs {need:,} bytes in "
+                f"disk_cache_dir={str(parent)!r} but {free:,} are free; lower disk_cache_size or choose another folder"
+            )
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-disk-", dir=parent))
+        weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
+        return [self.layout.disk_pages(g, num_disk_pages, folder) for g in range(self.layout.num_groups)]
 
     def set_manager(self, manager: KVCacheManager) -> None:
         """Swaps in another manager (a restored snapshot); the engine must be idle."""
@@ -520,11 +541,15 @@ class Engine:
         elif kind == "offload":
             kv = jax.device_get(read_pages(self.pool, self.layout, group, jnp.asarray(src)))
             store_host_pages(self.host_pools[group], dst[: len(ops)], kv)
-        elif kind == "onboard":
+        elif kind == "spill":
             kv = load_host_pages(self.host_pools[group], src[: len(ops)], n)
+            store_host_pages(self.disk_pools[group], dst[: len(ops)], kv)
+        elif kind in ("onboard", "onboard_disk"):
+            tier = self.host_pools if kind == "onboard" else self.disk_pools
+            kv = load_host_pages(tier[group], src[: len(ops)], n)
             self.pool = write_pages(self.pool, self.layout, group, jnp.asarray(dst), kv)
         else:
-            raise ValueError(f"page op kind={kind!r} must be 'copy', 'offload' or 'onboard'")
+            raise ValueError(f"page op kind={kind!r} must be 'copy', 'offload', 'spill', 'onboard' or 'onboard_disk'")
 
     def _block_tables(self, works: Sequence[ScheduledRequest], num_rows: int, width: int) -> tuple[jax.Array, ...]:
         tables = []

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import blake3
+import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -54,15 +55,18 @@ _REPLACED = ".kvjax-replaced-"
 
 def _arrays(engine: Engine) -> dict[str, np.ndarray]:
     """Every array a snapshot holds: ``device_{k,v}_<layer>`` [num_pages, page_size, K, d]
-    and ``host_<group>`` (the host tier's pages of each layer group), as stored: a quantized
-    cache's int8 / float8_e4m3fn values under those names and their scales beside them as
-    ``device_{k,v}_scales_<layer>`` and ``host_scales_<group>``."""
+    and ``host_<group>`` / ``disk_<group>`` (the host and disk tiers' pages of each layer
+    group), as stored: a quantized cache's int8 / float8_e4m3fn values under those names and
+    their scales beside them as ``device_{k,v}_scales_<layer>``, ``host_scales_<group>`` and
+    ``disk_scales_<group>``."""
     arrays = {}
     for i, (k, v) in enumerate(zip(engine.pool.k, engine.pool.v)):
         arrays |= _named(f"device_k_{i:03d}", f"device_k_scales_{i:03d}", k)
         arrays |= _named(f"device_v_{i:03d}", f"device_v_scales_{i:03d}", v)
     for g, host in enumerate(engine.host_pools):
         arrays |= _named(f"host_{g:03d}", f"host_scales_{g:03d}", host)
+    for g, disk in enumerate(engine.disk_pools):
+        arrays |= _named(f"disk_{g:03d}", f"disk_scales_{g:03d}", disk)
     return arrays
 
 
@@ -96,15 +100,14 @@ def _document_digest(document: dict[str, Any]) -> str:
 
 def _identity(engine: Engine) -> dict[str, Any]:
     """What must match between a snapshot and the engine restoring it."""
-    kv = dataclasses.asdict(engine.kv_config)
-    if kv["max_attention_window"] is not None:
-        kv["max_attention_window"] = list(kv["max_attention_window"])
+    kv = engine.kv_config.content_fields()
     layout = dataclasses.asdict(engine.layout)
     return {
         "model": {"name": engine.model.config.name, "weights_digest": engine.model.weights_digest},
         "kv_cache_config": kv,
         "layout": {k: list(v) if isinstance(v, tuple) else v for k, v in layout.items()},
         "num_host_pages": engine.manager.num_host_pages,
+        "num_disk_pages": engine.manager.num_disk_pages,
     }
 
 
@@ -289,7 +292,8 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
         manager = KVCacheManager.from_state_dict(
             document["manager_state"], engine.kv_config,
             layer_windows=engine.manager.layer_windows, num_device_pages=engine.manager.num_device_pages,
-            num_host_pages=engine.manager.num_host_pages, max_seq_len=engine.manager.max_seq_len,
+            num_host_pages=engine.manager.num_host_pages, num_disk_pages=engine.manager.num_disk_pages,
+            max_seq_len=engine.manager.max_seq_len,
             bytes_per_page=engine.manager.bytes_per_page,
         )
     except SnapshotError as err:
@@ -302,5 +306,9 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
     engine.host_pools = [
         _pages(arrays, f"host_{g:03d}", f"host_scales_{g:03d}", np.copy) for g in range(len(engine.host_pools))
     ]
+    for g, disk in enumerate(engine.disk_pools):  # written into the engine's own page files
+        saved = _pages(arrays, f"disk_{g:03d}", f"disk_scales_{g:03d}", np.asarray)
+        for mapped, values in zip(jax.tree.leaves(disk), jax.tree.leaves(saved)):
+            mapped[...] = values
     engine.set_manager(manager)
     return step

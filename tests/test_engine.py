@@ -3,6 +3,8 @@ preemption under memory pressure, bad input."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,29 @@ def test_offload_and_onboard_keep_logits(smollm2, prompts):
     assert again.num_reused_tokens > 0
     assert again.output == first.output
     assert rel_err(np.stack(again.logits), np.stack(first.logits)) < 1e-5
+
+
+def test_disk_tier_round_trip_keeps_logits(smollm2, prompts, tmp_path):
+    # 20 device pages and 2 host pages: the first prompt's blocks go device -> host -> disk
+    # while the others run, and come back from the disk file when it repeats.
+    page_bytes = smollm2.config.num_layers * 2 * 16 * 3 * 64 * 4
+    engine = make_engine(smollm2, max_seq_len=256, max_tokens=16 * 20, host_cache_size=2 * page_bytes,
+                         disk_cache_size=64 * page_bytes, disk_cache_dir=str(tmp_path))
+    [first] = engine.generate([prompts[0]], GREEDY)
+    engine.generate([prompts[1]], GREEDY)
+    engine.generate([prompts[2]], GREEDY)
+    assert engine.manager.stats.spilled_pages > 0
+    assert engine.manager.num_cached_blocks(0, "disk") > 0
+    assert [p.name for p in tmp_path.iterdir()] and all(p.name.startswith("kvjax-disk-") for p in tmp_path.iterdir())
+    [again] = engine.generate([prompts[0]], GREEDY)
+    assert engine.manager.stats.disk_onboarded_pages > 0
+    assert again.num_reused_tokens == 144
+    assert again.output == first.output
+    assert rel_err(np.stack(again.logits), np.stack(first.logits)) < 1e-5
+    folder = next(tmp_path.iterdir())
+    del engine
+    gc.collect()
+    assert not folder.exists()
 
 
 def test_preemption_under_memory_pressure_keeps_outputs(smollm2, prompts):

@@ -24,6 +24,7 @@ MAX_SEQ_LEN = 256
 def small_trace(config) -> None:
     config.num_device_pages = 65
     config.host_pages = (0, 64)
+    config.disk_pages = (0, 256)
     config.trace.update(num_requests=600, num_documents=120, document_tokens=128, system_tokens=64,
                         question_tokens=32, turn_tokens=32, chat_output_tokens=16, doc_output_tokens=4,
                         num_active_chats=8, max_turns=3)
@@ -56,14 +57,17 @@ def test_eviction_orders_policies_and_engine_matches_simulation(tmp_path):
     config.engine.trace.update(num_requests=6, num_documents=3, document_tokens=48, question_tokens=16,
                                turn_tokens=16, num_active_chats=1, max_turns=2)
     results = eviction.run(config, tmp_path)
-    by = {(r["policy"], r["host_pages"]): r for r in results["simulation"]}
-    for host in config.host_pages:
-        prio, lru, opt = (by[(p, host)]["block_hit_rate"] for p in ("priority-LRU", "LRU", "Belady (offline)"))
-        assert 0.0 <= lru <= prio <= opt <= 1.0, (host, lru, prio, opt)
-        assert lru > 0.0 and by[("LRU", host)]["device_evictions"] > 0  # reuse and memory pressure
-    assert by[("LRU", 64)]["offloaded_MB"] > 0 and by[("LRU", 64)]["onboarded_MB"] > 0
-    assert by[("priority-LRU", 64)]["block_hit_rate"] >= by[("priority-LRU", 0)]["block_hit_rate"]
-    assert all(by[("LRU", 0)][f"us_per_{k}_block"] > 0 for k in eviction.OP_KINDS)
+    by = {(r["policy"], r["host_pages"], r["disk_pages"]): r for r in results["simulation"]}
+    for tiers in ((0, 0), (64, 0), (64, 256)):
+        prio, lru, opt = (by[(p, *tiers)]["block_hit_rate"] for p in ("priority-LRU", "LRU", "Belady (offline)"))
+        assert 0.0 <= lru <= prio <= opt <= 1.0, (tiers, lru, prio, opt)
+        assert lru > 0.0 and by[("LRU", *tiers)]["device_evictions"] > 0  # reuse and memory pressure
+    assert by[("LRU", 64, 0)]["offloaded_MB"] > 0 and by[("LRU", 64, 0)]["onboarded_MB"] > 0
+    assert by[("priority-LRU", 64, 0)]["block_hit_rate"] >= by[("priority-LRU", 0, 0)]["block_hit_rate"]
+    with_disk = by[("priority-LRU", 64, 256)]
+    assert with_disk["spilled_MB"] > 0 and with_disk["disk_onboarded_MB"] > 0
+    assert with_disk["block_hit_rate"] > by[("priority-LRU", 64, 0)]["block_hit_rate"]
+    assert all(by[("LRU", 0, 0)][f"us_per_{k}_block"] > 0 for k in eviction.OP_KINDS)
     engine_rows = results["engine"]
     assert len(engine_rows) == 4
     for r in engine_rows:

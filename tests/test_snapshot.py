@@ -46,6 +46,27 @@ def test_restore_reproduces_reuse_including_host_blocks(smollm2, prompts, tmp_pa
     assert np.max(np.abs(np.stack(warm.logits) - np.stack(cold.logits))) / np.max(np.abs(cold.logits[0])) < 1e-5
 
 
+def test_restore_carries_the_disk_tier(smollm2, prompts, tmp_path):
+    page_bytes = smollm2.config.num_layers * 2 * 16 * smollm2.config.num_kv_heads * smollm2.config.head_dim * 4
+    tiers = {"max_tokens": 16 * 16, "host_cache_size": 2 * page_bytes, "disk_cache_size": 16 * page_bytes}
+    engine = make_engine(smollm2, **tiers, disk_cache_dir=str(tmp_path / "disk_a"))
+    for p in prompts:  # the first prompt's blocks go device -> host -> disk
+        engine.generate([p], GREEDY)
+    assert engine.manager.num_cached_blocks(0, "disk") > 0
+    step = save_snapshot(engine, tmp_path / "snap")
+    restored = make_engine(smollm2, **tiers, disk_cache_dir=str(tmp_path / "disk_b"))  # another folder: same cache
+    assert restore_snapshot(restored, tmp_path / "snap") == step
+    assert restored.manager.state_dict() == engine.manager.state_dict()
+    for mine, theirs in zip(restored.disk_pools, engine.disk_pools):
+        np.testing.assert_array_equal(mine, theirs)
+    query = list(prompts[0]) + [30, 31, 32]
+    [warm] = restored.generate([query], GREEDY)
+    [cold] = make_engine(smollm2, enable_block_reuse=False).generate([query], GREEDY)
+    assert warm.num_reused_tokens >= 144 and restored.manager.stats.disk_onboarded_pages > 0
+    assert warm.output == cold.output
+    assert np.max(np.abs(np.stack(warm.logits) - np.stack(cold.logits))) / np.max(np.abs(cold.logits[0])) < 1e-5
+
+
 def test_mismatched_config_is_refused(smollm2, prompts, tmp_path):
     engine = make_engine(smollm2)
     engine.generate([prompts[0]], GREEDY)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -136,6 +138,20 @@ class CacheLayout:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def disk_pages(self, group: int, num_pages: int, folder: pathlib.Path) -> np.ndarray | QuantizedPages:
+        """A disk pool for ``group``: ``host_zeros``'s arrays, each memory-mapped from a new file
+        in ``folder`` (``disk_g<group>_<leaf>.bin``, sparse until written), so the host-pool
+        page functions read and write it unchanged and the OS page cache decides what stays
+        in memory."""
+        host = self.host_zeros(group, 0)
+        leaves, treedef = jax.tree.flatten(host)
+        mapped = [
+            np.memmap(folder / f"disk_g{group:03d}_{i}.bin", dtype=leaf.dtype, mode="w+",
+                      shape=(*leaf.shape[:2], num_pages, *leaf.shape[3:]))
+            for i, leaf in enumerate(leaves)
+        ]
+        return jax.tree.unflatten(treedef, mapped)
 
     def host_zeros(self, group: int, num_pages: int) -> np.ndarray | QuantizedPages:
         """A host (numpy) pool for ``group`` of ``num_pages`` pages, K and V stacked on axis 0:

@@ -1,4 +1,4 @@
-"""The blocks of one layer group: device and host page pools, radix tree, eviction (B3-B7).
+"""The blocks of one layer group: device, host and disk page pools, radix tree, eviction.
 
 Each layer group (one per distinct attention window) owns a ``BlockPool``; groups never
 share pages. A device page is in exactly one of three states::
@@ -12,9 +12,12 @@ Eviction rules and their reasons:
 * Only blocks with ``ref_count == 0`` are evictable: a block in use is never overwritten.
 * Full-attention groups evict **leaves before parents**. A block is a prefix of its
   descendants, which are useless without it, so a device block is evictable only when no
-  child sits on the device, and a host block only when it has no children at all. Hence a
-  cached block's parent is always cached, and a device block's parent is on the device.
-  When a block is dropped instead of offloaded, its (host) descendants are dropped with it.
+  child sits on the device, a host block only when no child sits on the host (children on
+  the disk tier may stay), and a disk block only when it has no children at all. Hence a
+  cached block's parent is always cached and on the same or a faster tier. When a block
+  is dropped instead of moved down a tier, its (slower-tier) descendants are dropped with it.
+* Tiers below the device are LRU caches of their own: a host victim spills to the disk tier
+  (when there is one and its priority allows offloading), a disk victim is dropped.
 * Windowed groups evict in plain priority-LRU order: a reuse there needs only the blocks
   inside the window of the match end, so an old parent is worth less than its child.
 """
@@ -41,6 +44,7 @@ class BlockPool:
       tree_rule: True for full-attention groups (leaves-before-parents eviction).
       num_device_pages: device pool size, the null page included.
       num_host_pages: host pool size (0 = no offload).
+      num_disk_pages: disk pool size (0 = host victims are dropped); needs a host tier.
       tokens_per_block: page size in tokens.
       offload_min_priority: ``secondary_offload_min_priority``.
       bytes_per_page: bytes moved by one page operation (0 = not counted).
@@ -55,6 +59,7 @@ class BlockPool:
         tree_rule: bool,
         num_device_pages: int,
         num_host_pages: int,
+        num_disk_pages: int = 0,
         tokens_per_block: int,
         offload_min_priority: int,
         bytes_per_page: int,
@@ -67,6 +72,7 @@ class BlockPool:
         self.tree_rule = tree_rule
         self.num_device_pages = num_device_pages
         self.num_host_pages = num_host_pages
+        self.num_disk_pages = num_disk_pages
         self.tokens_per_block = tokens_per_block
         self.offload_min_priority = offload_min_priority
         self.bytes_per_page = bytes_per_page
@@ -77,9 +83,11 @@ class BlockPool:
         self.stats = stats
         self.device_free: collections.deque[int] = collections.deque(range(1, num_device_pages))
         self.host_free: collections.deque[int] = collections.deque(range(num_host_pages))
+        self.disk_free: collections.deque[int] = collections.deque(range(num_disk_pages))
         self.tree = RadixTree()
         self.device_queue = EvictionQueue()
         self.host_queue = EvictionQueue()
+        self.disk_queue = EvictionQueue()
         self.num_free_cached = 0
         """Tree blocks on the device with ref_count 0 (all eventually evictable)."""
         self.expiry = ExpiryQueue()
@@ -116,10 +124,21 @@ class BlockPool:
             return True
         if block.tier is Tier.DEVICE:
             return block.device_children == 0
-        return not self.tree.has_children(block.key)
+        children = self.tree.children(block.key).values()
+        if block.tier is Tier.HOST:
+            return all(child.tier is Tier.DISK for child in children)
+        return not children
 
     def _queue(self, block: Block) -> EvictionQueue:
-        return self.device_queue if block.tier is Tier.DEVICE else self.host_queue
+        if block.tier is Tier.DEVICE:
+            return self.device_queue
+        return self.host_queue if block.tier is Tier.HOST else self.disk_queue
+
+    def _free_pages(self, tier: Tier) -> collections.deque[int]:
+        """The free list of a tier's pool."""
+        if tier is Tier.DEVICE:
+            return self.device_free
+        return self.host_free if tier is Tier.HOST else self.disk_free
 
     def requeue(self, block: Block) -> None:
         """Brings the block's queue membership in line with its state."""
@@ -146,8 +165,8 @@ class BlockPool:
     # ------------------------------------------------------------------ references
 
     def acquire(self, block: Block) -> None:
-        """Takes a reference. Sequences hold device blocks; a host block is referenced only
-        while it is being onboarded or copied (so nothing evicts it meanwhile)."""
+        """Takes a reference. Sequences hold device blocks; a host or disk block is referenced
+        only while it is being onboarded or copied (so nothing evicts it meanwhile)."""
         if block.ref_count == 0 and block.key is not None:
             if block.tier is Tier.DEVICE:
                 self.num_free_cached -= 1
@@ -197,15 +216,48 @@ class BlockPool:
         return self.device_free.popleft()
 
     def _take_host_page(self) -> int | None:
-        """A free host page, evicting the host LRU victim if needed; None when every host
-        block is referenced (being onboarded)."""
+        """A free host page, moving the host LRU victim down to the disk tier (or dropping
+        it) if needed; None when every host block is referenced (being onboarded)."""
         if not self.host_free:
             victim = self.host_queue.pop()
             if victim is None:
                 return None
             self.stats.host_evictions += 1
-            self._drop(victim)
+            self._spill(victim)
         return self.host_free.popleft()
+
+    def _take_disk_page(self) -> int | None:
+        """A free disk page, dropping the disk LRU victim if needed; None when every disk
+        block is referenced (being onboarded)."""
+        if not self.disk_free:
+            victim = self.disk_queue.pop()
+            if victim is None:
+                return None
+            self.stats.disk_evictions += 1
+            self._drop(victim)
+        return self.disk_free.popleft()
+
+    def _spill(self, victim: Block) -> None:
+        """Moves an unreferenced host block (out of the host queue; its children, if any, are
+        on the disk tier) to the disk tier, or drops it (with its subtree)
+        when there is no disk tier, its priority is below the offload threshold, or every disk
+        block is referenced; its host page joins the free list either way."""
+        disk_page = None
+        if self.num_disk_pages and should_offload(victim.priority, self.offload_min_priority):
+            disk_page = self._take_disk_page()
+        if disk_page is None:
+            self._drop(victim)
+            return
+        self.ops.append(PageOp("spill", self.group, victim.page, disk_page, self.tokens_per_block))
+        self.stats.spilled_pages += 1
+        self.stats.spilled_bytes += self.bytes_per_page
+        self.host_free.append(victim.page)
+        victim.tier, victim.page = Tier.DISK, disk_page
+        self.requeue(victim)
+        parent = self.tree.get(victim.parent_key)
+        if parent is not None and self.tree_rule:
+            self.requeue(parent)  # a host parent may have no host child left
+        self.emit("updated", victim)
 
     def _evict_device(self, victim: Block) -> None:
         """Offloads the victim to the host tier, or drops it (its page joins the free list)."""
@@ -255,20 +307,28 @@ class BlockPool:
                 self.device_free.append(node.page)
                 self._device_child_moved(node, -1)
             else:
-                self.host_free.append(node.page)
+                self._free_pages(node.tier).append(node.page)
                 parent = self.tree.get(node.parent_key)
                 if parent is not None and self.tree_rule:
                     self.requeue(parent)
 
-    def onboard(self, block: Block) -> None:
-        """Moves a host tree block to a fresh device page (queues an "onboard" op)."""
-        assert block.tier is Tier.HOST
-        self._unqueue(block)
-        page = self.take_device_page()
-        self.ops.append(PageOp("onboard", self.group, block.page, page, self.tokens_per_block))
+    def _count_onboard(self, tier: Tier) -> None:
         self.stats.onboarded_pages += 1
         self.stats.onboarded_bytes += self.bytes_per_page
-        self.host_free.append(block.page)
+        if tier is Tier.DISK:
+            self.stats.disk_onboarded_pages += 1
+            self.stats.disk_onboarded_bytes += self.bytes_per_page
+
+    def onboard(self, block: Block) -> None:
+        """Moves a host or disk tree block to a fresh device page (queues an "onboard" or
+        "onboard_disk" op)."""
+        assert block.tier is not Tier.DEVICE
+        self._unqueue(block)
+        page = self.take_device_page()
+        kind = "onboard" if block.tier is Tier.HOST else "onboard_disk"
+        self.ops.append(PageOp(kind, self.group, block.page, page, self.tokens_per_block))
+        self._count_onboard(block.tier)
+        self._free_pages(block.tier).append(block.page)
         block.tier, block.page = Tier.DEVICE, page
         if block.ref_count == 0:
             self.num_free_cached += 1
@@ -280,7 +340,7 @@ class BlockPool:
         """A private block holding the first ``num_tokens`` tokens of ``source`` (partial reuse).
 
         The caller holds a reference on the source so that finding the destination page
-        cannot evict it and the copy (or onboard, for a host source) reads the right page.
+        cannot evict it and the copy (or onboard, for a host or disk source) reads the right page.
         """
         assert source.ref_count > 0, "acquire the source first"
         block = self.new_block()
@@ -289,9 +349,9 @@ class BlockPool:
             self.stats.copied_pages += 1
             self.stats.copied_bytes += self.bytes_per_page
         else:
-            self.ops.append(PageOp("onboard", self.group, source.page, block.page, num_tokens))
-            self.stats.onboarded_pages += 1
-            self.stats.onboarded_bytes += self.bytes_per_page
+            kind = "onboard" if source.tier is Tier.HOST else "onboard_disk"
+            self.ops.append(PageOp(kind, self.group, source.page, block.page, num_tokens))
+            self._count_onboard(source.tier)
         return block
 
     def can_take_in_place(self, block: Block) -> bool:
@@ -323,8 +383,8 @@ class BlockPool:
         """Inserts a full private block held by one sequence; returns the block it should hold.
 
         If the key is cached already, the identical cached block wins: on the device the
-        sequence switches to it and the private page is freed; on the host the private block
-        replaces it (an onboard without a copy) and the host page is freed. Either way one key
+        sequence switches to it and the private page is freed; on the host or disk the private
+        block replaces it (an onboard without a copy) and that page is freed. Either way one key
         has one block and the sequence's chain stays in the tree.
         """
         assert block.key is None and block.ref_count == 1 and block.tier is Tier.DEVICE
@@ -338,7 +398,7 @@ class BlockPool:
         block.priority, block.expiry = priority, expiry
         if cached is not None:
             self._unqueue(cached)
-            self.host_free.append(cached.page)
+            self._free_pages(cached.tier).append(cached.page)
             self.tree.replace(cached, block)
             block.device_children = 0
             self.emit("updated", block)
@@ -351,12 +411,14 @@ class BlockPool:
         return block
 
     def clear(self) -> None:
-        """Forgets every cached block of both tiers; no block may be referenced (nothing is copied)."""
+        """Forgets every cached block of every tier; no block may be referenced (nothing is copied)."""
         assert all(b.ref_count == 0 for b in self.tree.blocks.values()), "clear() with blocks in use"
         self.device_free = collections.deque(range(1, self.num_device_pages))
         self.host_free = collections.deque(range(self.num_host_pages))
+        self.disk_free = collections.deque(range(self.num_disk_pages))
         self.tree = RadixTree()
         self.device_queue = EvictionQueue()
         self.host_queue = EvictionQueue()
+        self.disk_queue = EvictionQueue()
         self.num_free_cached = 0
         self.expiry = ExpiryQueue()

@@ -106,7 +106,7 @@ class _Plan:
 
 
 class KVCacheManager:
-    """Paged KV cache bookkeeping with radix-tree reuse, priority-LRU eviction and host offload.
+    """Paged KV cache bookkeeping with radix-tree reuse, priority-LRU eviction and host / disk offload.
 
     Args:
       config: the cache configuration (reuse, partial reuse, offload threshold, events, ...).
@@ -114,6 +114,7 @@ class KVCacheManager:
         a window >= max_seq_len is full attention.
       num_device_pages: pages per layer-group device pool, ``NULL_PAGE`` included.
       num_host_pages: pages per layer-group host pool (0 = no offload).
+      num_disk_pages: pages per layer-group disk pool (0 = no disk tier; needs a host tier).
       max_seq_len: longest sequence (prompt + generated) in tokens.
       bytes_per_page: bytes of one page per group (one int for all groups); only counted.
       clock: seconds, monotonic; drives retention durations (inject a fake one in tests).
@@ -126,6 +127,7 @@ class KVCacheManager:
         layer_windows: Sequence[int],
         num_device_pages: int,
         num_host_pages: int = 0,
+        num_disk_pages: int = 0,
         max_seq_len: int,
         bytes_per_page: int | Sequence[int] = 0,
         clock: Callable[[], float] = time.monotonic,
@@ -148,11 +150,19 @@ class KVCacheManager:
                 f"num_host_pages={num_host_pages} but config.host_cache_size=0 disables offload; "
                 "derive num_host_pages from host_cache_size"
             )
+        if not isinstance(num_disk_pages, int) or num_disk_pages < 0:
+            raise ValueError(f"num_disk_pages={num_disk_pages!r} must be an int >= 0")
+        if num_disk_pages and not (config.disk_cache_size and num_host_pages):
+            raise ValueError(
+                f"num_disk_pages={num_disk_pages} needs config.disk_cache_size > 0 and a host tier "
+                f"(num_host_pages={num_host_pages}); blocks reach the disk tier only from the host tier"
+            )
         self.config = config
         self.layer_windows = windows
         self.max_seq_len = max_seq_len
         self.num_device_pages = num_device_pages
         self.num_host_pages = num_host_pages
+        self.num_disk_pages = num_disk_pages
         self.page_size = config.tokens_per_block
         self.group_windows: tuple[int, ...] = tuple(dict.fromkeys(min(w, max_seq_len) for w in windows))
         """Distinct windows in order of first appearance; group g holds the layers of window g."""
@@ -183,6 +193,7 @@ class KVCacheManager:
                 tree_rule=w >= max_seq_len,
                 num_device_pages=num_device_pages,
                 num_host_pages=num_host_pages,
+                num_disk_pages=num_disk_pages,
                 tokens_per_block=self.page_size,
                 offload_min_priority=config.secondary_offload_min_priority,
                 bytes_per_page=per_group[g],
@@ -219,7 +230,7 @@ class KVCacheManager:
         return self._pool(group).num_available()
 
     def num_cached_blocks(self, group: int, tier: str = "device") -> int:
-        """Tree blocks of ``group`` on ``tier`` ("device" or "host")."""
+        """Tree blocks of ``group`` on ``tier`` ("device", "host" or "disk")."""
         want = Tier[tier.upper()]
         return sum(1 for b in self._pool(group).tree.blocks.values() if b.tier is want)
 
@@ -490,6 +501,7 @@ class KVCacheManager:
         layer_windows: Sequence[int],
         num_device_pages: int,
         num_host_pages: int = 0,
+        num_disk_pages: int = 0,
         max_seq_len: int,
         bytes_per_page: int | Sequence[int] = 0,
         clock: Callable[[], float] = time.monotonic,
@@ -505,6 +517,7 @@ class KVCacheManager:
             layer_windows=layer_windows,
             num_device_pages=num_device_pages,
             num_host_pages=num_host_pages,
+            num_disk_pages=num_disk_pages,
             max_seq_len=max_seq_len,
             bytes_per_page=bytes_per_page,
             clock=clock,
@@ -680,14 +693,14 @@ class KVCacheManager:
                 count += 1
             if count and items_in(block.items, start, start + count) != items_in(items, start, start + count):
                 continue
-            if count > best_count or (count == best_count and best is not None and best.tier is Tier.HOST):
+            if count > best_count or (count == best_count and best is not None and best.tier is not Tier.DEVICE):
                 best, best_count = block, count
         return best, best_count
 
     def _fits(self, plan: _Plan) -> bool:
         """Whether every group has the device pages the plan's onboards and copies need."""
         for pool, gp in zip(self.pools, plan.groups):
-            need = sum(1 for b in gp.held if b.tier is Tier.HOST)
+            need = sum(1 for b in gp.held if b.tier is not Tier.DEVICE)
             reserved = sum(1 for b in gp.held if b.tier is Tier.DEVICE and b.ref_count == 0)
             if gp.source is not None:
                 need += not gp.in_place
@@ -704,7 +717,7 @@ class KVCacheManager:
             pool.acquire(gp.source)
         blocks: list[Block | None] = [None] * gp.first
         for b, block in enumerate(gp.held, start=gp.first):
-            if block.tier is Tier.HOST:
+            if block.tier is not Tier.DEVICE:
                 pool.onboard(block)
             self._set_priority(pool, block, seq, b, now)
             blocks.append(block)

@@ -23,7 +23,7 @@ from kvjax.manager.tiers import PageOp, Tier
 if TYPE_CHECKING:
     from kvjax.manager.manager import KVCacheManager
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class SnapshotError(ValueError):
@@ -34,18 +34,12 @@ class ConsistencyError(RuntimeError):
     """The manager's bookkeeping broke an invariant (a bug, or a damaged snapshot)."""
 
 
-def _config_dict(config: KvCacheConfig) -> dict[str, Any]:
-    d = dataclasses.asdict(config)
-    if d["max_attention_window"] is not None:
-        d["max_attention_window"] = list(d["max_attention_window"])
-    return d
-
-
 def _layout(mgr: KVCacheManager) -> dict[str, Any]:
     return {
         "layer_windows": list(mgr.layer_windows),
         "num_device_pages": mgr.num_device_pages,
         "num_host_pages": mgr.num_host_pages,
+        "num_disk_pages": mgr.num_disk_pages,
         "max_seq_len": mgr.max_seq_len,
         "bytes_per_page": list(mgr.bytes_per_page),
     }
@@ -60,7 +54,7 @@ def _load_items(rows: list[list]) -> tuple[HashedItem, ...]:
 
 
 def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
-    """Everything needed to resume: tree, references, priorities and expiries, both tiers,
+    """Everything needed to resume: tree, references, priorities and expiries, every tier,
     free-list and eviction-queue order, sequences, pending page ops, events and stats."""
     now = mgr.clock()
     pools = []
@@ -73,6 +67,7 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
             {
                 "device_free": list(pool.device_free),
                 "host_free": list(pool.host_free),
+                "disk_free": list(pool.disk_free),
                 "blocks": [
                     {
                         "page": b.page,
@@ -91,6 +86,7 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
                 ],
                 "device_queue": [index[id(b)] for b in pool.device_queue.ordered()],
                 "host_queue": [index[id(b)] for b in pool.host_queue.ordered()],
+                "disk_queue": [index[id(b)] for b in pool.disk_queue.ordered()],
             }
         )
     sequences = []
@@ -127,7 +123,7 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
     events = mgr._events
     return {
         "format_version": FORMAT_VERSION,
-        "config": _config_dict(mgr.config),
+        "config": mgr.config.content_fields(),
         "layout": _layout(mgr),
         "tick": mgr._tick,
         "pools": pools,
@@ -161,6 +157,7 @@ def load_state(
     layer_windows: Sequence[int],
     num_device_pages: int,
     num_host_pages: int = 0,
+    num_disk_pages: int = 0,
     max_seq_len: int,
     bytes_per_page: int | Sequence[int] = 0,
     clock: Callable[[], float],
@@ -179,11 +176,12 @@ def load_state(
         layer_windows=layer_windows,
         num_device_pages=num_device_pages,
         num_host_pages=num_host_pages,
+        num_disk_pages=num_disk_pages,
         max_seq_len=max_seq_len,
         bytes_per_page=bytes_per_page,
         clock=clock,
     )
-    want = _config_dict(config)
+    want = config.content_fields()
     got = state.get("config")
     if got != want:
         diff = sorted(k for k in set(want) | set(got or {}) if (got or {}).get(k) != want.get(k))
@@ -214,6 +212,8 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
         pool.device_free.extend(int(p) for p in saved["device_free"])
         pool.host_free.clear()
         pool.host_free.extend(int(p) for p in saved["host_free"])
+        pool.disk_free.clear()
+        pool.disk_free.extend(int(p) for p in saved["disk_free"])
         blocks = []
         for row in saved["blocks"]:
             block = Block(page=int(row["page"]), tier=Tier[row["tier"].upper()], ref_count=int(row["ref_count"]))
@@ -239,7 +239,8 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
                 pool.num_free_cached += 1
             if block.expiry is not None:
                 pool.expiry.push(block)
-        for name, queue in (("device_queue", pool.device_queue), ("host_queue", pool.host_queue)):
+        for name, queue in (("device_queue", pool.device_queue), ("host_queue", pool.host_queue),
+                            ("disk_queue", pool.disk_queue)):
             for i in saved[name]:
                 queue.push(blocks[i])
         all_blocks.append(blocks)
@@ -323,9 +324,9 @@ def check_consistency(mgr: KVCacheManager) -> None:
                 if b.key is None:
                     private.append(b)
         device_pages = list(pool.device_free) + [b.page for b in private]
-        host_pages = list(pool.host_free)
+        tier_pages = {Tier.DEVICE: device_pages, Tier.HOST: list(pool.host_free), Tier.DISK: list(pool.disk_free)}
         num_free_cached = 0
-        evictable = {"device": 0, "host": 0}
+        evictable = {"device": 0, "host": 0, "disk": 0}
         for key, b in pool.tree.blocks.items():
             if b.key != key:
                 fail(f"group {g}: block filed under {key.hex()[:12]} has key {_hex(b.key)}")
@@ -335,7 +336,7 @@ def check_consistency(mgr: KVCacheManager) -> None:
                 fail(f"group {g}: block {key.hex()[:12]} missing from the first-token index")
             if b.ref_count != holders.get(id(b), 0):
                 fail(f"group {g}: block {key.hex()[:12]} ref_count={b.ref_count}, held by {holders.get(id(b), 0)}")
-            (device_pages if b.tier is Tier.DEVICE else host_pages).append(b.page)
+            tier_pages[b.tier].append(b.page)
             if b.ref_count and b.tier is not Tier.DEVICE:
                 fail(f"group {g}: held block {key.hex()[:12]} is on the {b.tier.label} tier")
             if b.tier is Tier.DEVICE and b.ref_count == 0:
@@ -350,8 +351,8 @@ def check_consistency(mgr: KVCacheManager) -> None:
                     fail(f"group {g}: block {key.hex()[:12]} (index {b.index}) has no cached parent")
                 if b.index == 0 and parent is not None:
                     fail(f"group {g}: first block {key.hex()[:12]} has a cached parent")
-                if parent is not None and b.tier is Tier.DEVICE and parent.tier is not Tier.DEVICE:
-                    fail(f"group {g}: device block {key.hex()[:12]} has a host parent")
+                if parent is not None and parent.tier > b.tier:
+                    fail(f"group {g}: {b.tier.label} block {key.hex()[:12]} has a {parent.tier.label} parent")
                 children = pool.tree.children(b.key).values()
                 if b.device_children != sum(1 for c in children if c.tier is Tier.DEVICE):
                     fail(f"group {g}: block {key.hex()[:12]} device_children={b.device_children} is wrong")
@@ -360,11 +361,12 @@ def check_consistency(mgr: KVCacheManager) -> None:
                 fail(f"group {g}: private page {b.page} is shared or has ref_count={b.ref_count}")
         if sorted(device_pages) != list(range(1, pool.num_device_pages)):
             fail(f"group {g}: device pages leaked or double-owned: {sorted(device_pages)}")
-        if sorted(host_pages) != list(range(pool.num_host_pages)):
-            fail(f"group {g}: host pages leaked or double-owned: {sorted(host_pages)}")
+        for tier, size in ((Tier.HOST, pool.num_host_pages), (Tier.DISK, pool.num_disk_pages)):
+            if sorted(tier_pages[tier]) != list(range(size)):
+                fail(f"group {g}: {tier.label} pages leaked or double-owned: {sorted(tier_pages[tier])}")
         if num_free_cached != pool.num_free_cached:
             fail(f"group {g}: num_free_cached={pool.num_free_cached}, counted {num_free_cached}")
-        if len(pool.device_queue) != evictable["device"] or len(pool.host_queue) != evictable["host"]:
+        if (len(pool.device_queue), len(pool.host_queue), len(pool.disk_queue)) != tuple(evictable.values()):
             fail(f"group {g}: eviction queue sizes do not match the evictable blocks")
     for seq in mgr._sequences.values():
         n = len(seq.tokens)

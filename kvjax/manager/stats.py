@@ -19,7 +19,7 @@ class RequestStats:
       reused_tokens: prompt tokens whose KV came from the cache (prefill skipped).
       prompt_blocks: full blocks in its prompt.
       reused_blocks: full prompt blocks matched in the tree.
-      onboarded_pages: host -> device page copies made for it (all groups).
+      onboarded_pages: host or disk -> device page copies made for it (all groups).
       copied_pages: partial-reuse page copies made for it (all groups).
     """
 
@@ -44,9 +44,13 @@ class CacheStats:
       prompt_tokens, reused_tokens, prompt_blocks, reused_blocks: sums of RequestStats.
       stored_blocks: blocks inserted into the tree.
       device_evictions: blocks that left the device tier to make room (offloaded or dropped).
-      host_evictions: blocks dropped from the host tier to make room.
-      offloaded_pages, onboarded_pages, copied_pages: page operations queued, per kind.
-      offloaded_bytes, onboarded_bytes, copied_bytes: the same in bytes (bytes_per_page).
+      host_evictions: blocks that left the host tier to make room (spilled to disk or dropped).
+      disk_evictions: blocks dropped from the disk tier to make room.
+      offloaded_pages (device -> host), spilled_pages (host -> disk), onboarded_pages (host or
+        disk -> device; disk_onboarded_pages of them from disk), copied_pages (device ->
+        device): page operations queued, per kind.
+      offloaded_bytes, spilled_bytes, onboarded_bytes, disk_onboarded_bytes, copied_bytes: the
+        same in bytes (bytes_per_page).
     """
 
     num_requests: int = 0
@@ -57,11 +61,16 @@ class CacheStats:
     stored_blocks: int = 0
     device_evictions: int = 0
     host_evictions: int = 0
+    disk_evictions: int = 0
     offloaded_pages: int = 0
+    spilled_pages: int = 0
     onboarded_pages: int = 0
+    disk_onboarded_pages: int = 0
     copied_pages: int = 0
     offloaded_bytes: int = 0
+    spilled_bytes: int = 0
     onboarded_bytes: int = 0
+    disk_onboarded_bytes: int = 0
     copied_bytes: int = 0
 
     @property

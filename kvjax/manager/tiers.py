@@ -1,14 +1,19 @@
-"""Memory tiers and the page operations that move blocks between them (SPEC B5, B6).
+"""Memory tiers and the page operations that move blocks between them.
 
 Pages live in per-group pools: the device pool (``num_device_pages`` pages, page
-``NULL_PAGE`` never handed out) and the host pool (``num_host_pages`` pages, ids from 0).
+``NULL_PAGE`` never handed out), the host pool (``num_host_pages`` pages, ids from 0) and
+the disk pool (``num_disk_pages`` pages, ids from 0, a file the engine maps into memory).
 The manager never touches KV values: it queues :class:`PageOp` records that the engine
 executes, in order, before the next forward pass.
 
-Offload threshold (decided here, pinned by a test): a block about to be evicted from the
-device is offloaded when ``priority >= secondary_offload_min_priority``; blocks *below* it
-are dropped. With the default threshold 35 a default-priority block is offloaded and a
-block at 34 is not, as the TensorRT-LLM documentation states.
+A block moves down one tier at a time when its tier needs room (device -> host -> disk, the
+least recently used evictable block first) and comes back to the device in one step when a
+request reuses it (host -> device or disk -> device).
+
+Offload threshold (decided here, pinned by a test): a block about to leave the device (or
+the host) moves down a tier when ``priority >= secondary_offload_min_priority``; blocks
+*below* it are dropped. With the default threshold 35 a default-priority block is offloaded
+and a block at 34 is not, as the TensorRT-LLM documentation states.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Tier(enum.IntEnum):
 
     DEVICE = 0
     HOST = 1
+    DISK = 2
 
     @property
     def label(self) -> str:
@@ -36,15 +42,16 @@ class PageOp(NamedTuple):
     """One page movement for the engine to execute (a named tuple: cheap to build per eviction).
 
     Attributes:
-      kind: "offload" (device page src -> host page dst), "onboard" (host page src -> device
-        page dst) or "copy" (device page src -> device page dst).
+      kind: "offload" (device page src -> host page dst), "spill" (host page src -> disk page
+        dst), "onboard" (host page src -> device page dst), "onboard_disk" (disk page src ->
+        device page dst) or "copy" (device page src -> device page dst).
       group: layer group whose pools the pages belong to.
       src, dst: page ids in the source and destination pools.
       num_tokens: leading tokens of the page to move; tokens_per_block for whole pages,
         fewer for the copy of a partially reused block.
     """
 
-    kind: Literal["offload", "onboard", "copy"]
+    kind: Literal["offload", "spill", "onboard", "onboard_disk", "copy"]
     group: int
     src: int
     dst: int
@@ -52,5 +59,5 @@ class PageOp(NamedTuple):
 
 
 def should_offload(priority: int, secondary_offload_min_priority: int) -> bool:
-    """Whether an evicted device block goes to the host tier (>=) or is dropped (<)."""
+    """Whether an evicted block moves down a tier (>=) or is dropped (<)."""
     return priority >= secondary_offload_min_priority

@@ -27,19 +27,22 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def make(clock):
-    """make(num_device_pages=8, windows=(64,), host=0, **config) -> KVCacheManager."""
+    """make(num_device_pages=8, windows=(64,), host=0, disk=0, **config) -> KVCacheManager."""
 
-    def _make(num_device_pages: int = 8, windows: tuple[int, ...] = (64,), host: int = 0, max_seq_len: int = 64,
+    def _make(num_device_pages: int = 8, windows: tuple[int, ...] = (64,), host: int = 0, disk: int = 0, max_seq_len: int = 64,
               bytes_per_page: int = 0, **config) -> KVCacheManager:
         config.setdefault("tokens_per_block", 4)
         config.setdefault("event_buffer_max_size", 1000)
         if host:
             config.setdefault("host_cache_size", host * 1024)
+        if disk:
+            config.setdefault("disk_cache_size", disk * 1024)
         return KVCacheManager(
             KvCacheConfig(**config),
             layer_windows=windows,
             num_device_pages=num_device_pages,
             num_host_pages=host,
+            num_disk_pages=disk,
             max_seq_len=max_seq_len,
             bytes_per_page=bytes_per_page,
             clock=clock,

@@ -90,7 +90,7 @@ def test_snapshot_round_trips_through_json_and_behaves_identically(make, run, cl
 def test_snapshot_refuses_other_version_config_layout_and_damage(make, run, clock):
     mgr = _busy(make, run)
     state = mgr.state_dict()
-    with pytest.raises(SnapshotError, match=r"format_version=99, this kvjax reads version 1"):
+    with pytest.raises(SnapshotError, match=r"format_version=99, this kvjax reads version 2"):
         _restore(mgr, {**state, "format_version": 99}, clock)
     other = KvCacheConfig(**{**state["config"], "max_attention_window": None, "copy_on_partial_reuse": False})
     with pytest.raises(SnapshotError, match=r"differing fields: copy_on_partial_reuse \(snapshot True, now False\)"):

@@ -9,7 +9,7 @@ is exactly what a token's KV depends on. After every step:
 * every page a live request holds contains that request's KV for its committed positions, so
   no block in use was evicted or overwritten and every reuse (full, partial, onboarded) read
   the right data;
-* every cached block, on either tier, holds the KV of its key's prefix;
+* every cached block, on any tier (device, host, disk), holds the KV of its key's prefix;
 * stats agree with the requests.
 """
 
@@ -40,19 +40,22 @@ class CacheMachine(RuleBasedStateMachine):
         windows=st.sampled_from([(MAX_LEN,), (MAX_LEN, 8), (MAX_LEN, 5, MAX_LEN)]),
         device_pages=st.integers(5, 12),
         host_pages=st.sampled_from([0, 2, 6]),
+        disk_pages=st.sampled_from([0, 3, 8]),
         reuse=st.sampled_from([True, True, True, False]),
         partial=st.booleans(),
         copy=st.booleans(),
         offload_min=st.sampled_from([0, 35, 60]),
     )
-    def setup(self, windows, device_pages, host_pages, reuse, partial, copy, offload_min):
+    def setup(self, windows, device_pages, host_pages, disk_pages, reuse, partial, copy, offload_min):
         self.clock = Clock()
+        disk_pages = disk_pages if host_pages else 0
         config = KvCacheConfig(
             tokens_per_block=PS,
             enable_block_reuse=reuse,
             enable_partial_reuse=partial,
             copy_on_partial_reuse=copy,
             host_cache_size=host_pages * 1000,
+            disk_cache_size=disk_pages * 1000,
             secondary_offload_min_priority=offload_min,
             event_buffer_max_size=64,
         )
@@ -61,12 +64,14 @@ class CacheMachine(RuleBasedStateMachine):
             layer_windows=windows,
             num_device_pages=device_pages,
             num_host_pages=host_pages,
+            num_disk_pages=disk_pages,
             max_seq_len=MAX_LEN,
             clock=self.clock,
         )
         groups = len(self.mgr.group_windows)
         self.device = [[[None] * PS for _ in range(device_pages)] for _ in range(groups)]
         self.host = [[[None] * PS for _ in range(host_pages)] for _ in range(groups)]
+        self.disk = [[[None] * PS for _ in range(disk_pages)] for _ in range(groups)]
         self.expected: dict[bytes, tuple] = {}
         self.next_id = 0
 
@@ -80,8 +85,11 @@ class CacheMachine(RuleBasedStateMachine):
         for op in self.mgr.take_page_ops():
             if op.kind == "offload":
                 self.host[op.group][op.dst] = list(self.device[op.group][op.src])
-            elif op.kind == "onboard":
-                self.device[op.group][op.dst] = self.host[op.group][op.src][: op.num_tokens] + [None] * (PS - op.num_tokens)
+            elif op.kind == "spill":
+                self.disk[op.group][op.dst] = list(self.host[op.group][op.src])
+            elif op.kind in ("onboard", "onboard_disk"):
+                source = self.host if op.kind == "onboard" else self.disk
+                self.device[op.group][op.dst] = source[op.group][op.src][: op.num_tokens] + [None] * (PS - op.num_tokens)
             else:
                 assert op.src != op.dst
                 self.device[op.group][op.dst] = self.device[op.group][op.src][: op.num_tokens] + [None] * (PS - op.num_tokens)
@@ -218,14 +226,15 @@ class CacheMachine(RuleBasedStateMachine):
     def cached_blocks_hold_their_prefix_kv(self):
         for g, pool in enumerate(self.mgr.pools):
             for key, block in pool.tree.blocks.items():
-                pages = self.device[g] if block.tier is Tier.DEVICE else self.host[g]
+                pages = {Tier.DEVICE: self.device, Tier.HOST: self.host, Tier.DISK: self.disk}[block.tier][g]
                 assert tuple(pages[block.page]) == self.expected[key], (g, block)
 
     @invariant()
     def stats_agree_with_requests(self):
         s = self.mgr.stats
         assert s.reused_tokens <= s.prompt_tokens and s.reused_blocks <= s.prompt_blocks
-        assert s.device_evictions >= s.offloaded_pages >= 0
+        assert s.device_evictions >= s.offloaded_pages >= 0 and s.host_evictions >= s.spilled_pages >= 0
+        assert s.onboarded_pages >= s.disk_onboarded_pages >= 0
         for seq in self.mgr._sequences.values():
             assert seq.stats.reused_tokens < max(seq.stats.prompt_tokens, 1)
 

@@ -1,4 +1,4 @@
-"""Host offload (B5) and limited attention windows (B7)."""
+"""Host and disk offload and limited attention windows."""
 
 from __future__ import annotations
 
@@ -70,6 +70,49 @@ def test_dropping_a_parent_drops_its_host_descendants(make, run):
     removed = [e.tier for e in mgr.get_kv_cache_events() if e.kind == "removed"]
     assert removed == ["host", "device"]
     mgr.check_consistency()
+
+
+def test_host_victims_spill_to_disk_and_onboard_from_there(make, run):
+    mgr = make(num_device_pages=2, host=1, disk=2, bytes_per_page=100)  # 1 device, 1 host, 2 disk pages
+    run(mgr, "a", [1] * 4)  # page 1
+    run(mgr, "b", [2] * 4)  # a -> host 0; b on page 1
+    run(mgr, "c", [3] * 4)  # host full: a spills to disk 0; b -> host 0
+    assert mgr.take_page_ops() == [
+        PageOp("offload", 0, 1, 0, 4), PageOp("spill", 0, 0, 0, 4), PageOp("offload", 0, 1, 0, 4),
+    ]
+    assert [mgr.num_cached_blocks(0, t) for t in ("device", "host", "disk")] == [1, 1, 1]
+    spilled = [e for e in mgr.get_kv_cache_events() if e.tier == "disk"]
+    assert [(e.kind, e.token_ids) for e in spilled] == [("updated", ())]
+    assert (mgr.stats.host_evictions, mgr.stats.spilled_pages, mgr.stats.spilled_bytes) == (1, 1, 100)
+    assert mgr.add_request("d", [1] * 4 + [0]) == 4  # a's block comes back from disk in one step
+    # the device page comes from c: b spills to disk page 1 to make room on the host, c goes to host
+    # page 0, then a is read from disk page 0 straight into device page 1
+    assert mgr.take_page_ops() == [
+        PageOp("spill", 0, 0, 1, 4), PageOp("offload", 0, 1, 0, 4), PageOp("onboard_disk", 0, 0, 1, 4),
+    ]
+    assert mgr.block_table("d", 0) == [1]
+    assert (mgr.stats.disk_onboarded_pages, mgr.stats.disk_onboarded_bytes) == (1, 100)
+    assert mgr.request_stats("d").onboarded_pages == 1
+    mgr.check_consistency()
+
+
+def test_disk_tier_drops_its_own_lru_block_and_low_priority_blocks_skip_it(make, run):
+    mgr = make(num_device_pages=2, host=1, disk=1)
+    run(mgr, "a", [1] * 4)
+    run(mgr, "b", [2] * 4, retention=_prio(34))  # below the threshold: dropped, never spilled
+    run(mgr, "c", [3] * 4)  # a -> disk; b would spill but is dropped
+    run(mgr, "d", [4] * 4)  # c -> host (b dropped from host: below threshold)
+    run(mgr, "e", [5] * 4)  # c spills: disk full, a dropped
+    assert mgr.stats.disk_evictions == 1
+    assert mgr.estimate_reusable_tokens([1] * 4 + [0]) == 0
+    assert mgr.estimate_reusable_tokens([2] * 4 + [0]) == 0
+    assert mgr.estimate_reusable_tokens([3] * 4 + [0]) == 4
+    mgr.check_consistency()
+
+
+def test_disk_tier_needs_a_host_tier(make):
+    with pytest.raises(ValueError, match="disk_cache_size=1024 needs host_cache_size > 0"):
+        make(disk=1)
 
 
 def test_layer_groups_follow_distinct_windows(make):
