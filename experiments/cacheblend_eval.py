@@ -34,8 +34,9 @@ from kvjax.model.tokenizer import Tokenizer
 
 GOLD_KEYS = ("gold", "f1", "em", "exact", "recall")
 """Gold scores a workload may report (``workloads.gold_scores``); "gold" is the headline."""
-_SYNTHETIC_TRAIN_SEED = 1_000_003
-"""Seed offset of the synthetic workload's training prompts (it has no hash split)."""
+_TRAIN_SEED = 1_000_003
+"""Seed offset of the training prompts: the synthetic workload has no hash split, and the
+needles of a needle-in-a-haystack prompt come from the seed, not from the essays."""
 
 
 @dataclasses.dataclass
@@ -60,25 +61,28 @@ def workload_examples(config: ml_collections.ConfigDict, tokenizer: Tokenizer, *
     w = config.workload
     if w.name not in WORKLOADS:
         raise ValueError(f"workload.name={w.name!r} must be one of {tuple(WORKLOADS)}")
+    seed = config.seed + (_TRAIN_SEED if split == "train" else 0)
     if w.name == "synthetic":
-        seed = config.seed + (_SYNTHETIC_TRAIN_SEED if split == "train" else 0)
         return WORKLOADS[w.name](tokenizer, num=num, seed=seed, tasks=tuple(w.tasks), num_chunks=tuple(w.num_chunks),
                                  chunk_tokens=tuple(w.chunk_tokens))
     if w.name == "squad_multidoc":
         options = dict(source=w.source, num_distractors=w.num_distractors)
     else:
         options = dict(tasks=tuple(w.niah_tasks), num_needles=tuple(w.num_needles), chunk_range=tuple(w.chunk_range))
-    return WORKLOADS[w.name](tokenizer, num=num, seed=config.seed, split=split, max_tokens=w.max_tokens, **options)
+    return WORKLOADS[w.name](tokenizer, num=num, seed=seed, split=split, max_tokens=w.max_tokens, **options)
 
 
 def check_disjoint(train: list[RagExample], evaluation: list[RagExample]) -> None:
-    """Raises ValueError if a training prompt shares a chunk or a question with an evaluation prompt."""
+    """Raises ValueError if a training prompt shares a chunk, or a question with the same gold
+    answers, with an evaluation prompt (two needle prompts may ask for the same key's value;
+    with different values they are different items)."""
     chunks = {c for e in evaluation for c in e.chunks}
-    questions = {e.suffix for e in evaluation}
+    items = {(e.question, e.gold_answers) for e in evaluation}
     for i, e in enumerate(train):
         shared = sum(c in chunks for c in e.chunks)
-        if shared or e.suffix in questions:
-            raise ValueError(f"training prompt {i} shares {shared} chunks (question shared: {e.suffix in questions}) "
+        same = (e.question, e.gold_answers) in items
+        if shared or same:
+            raise ValueError(f"training prompt {i} shares {shared} chunks (question and answers shared: {same}) "
                              "with the evaluation prompts")
 
 

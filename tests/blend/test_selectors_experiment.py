@@ -27,6 +27,8 @@ def test_training_and_evaluation_prompts_are_disjoint(name):
     cacheblend_eval.check_disjoint(train, evaluation)
     assert not {c for e in train for c in e.chunks} & {c for e in evaluation for c in e.chunks}
     assert not {e.question for e in train} & {e.question for e in evaluation}
+    with pytest.raises(ValueError, match="question and answers shared: True"):
+        cacheblend_eval.check_disjoint([evaluation[2]], evaluation)
     with pytest.raises(ValueError, match="training prompt 0 shares"):
         cacheblend_eval.check_disjoint([dataclasses.replace(train[0], chunks=(evaluation[1].chunks[0],))], evaluation)
 
