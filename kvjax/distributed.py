@@ -161,7 +161,11 @@ def pool_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def check_layout(layout: CacheLayout, mesh: Mesh) -> None:
-    """Raises unless every group's pages split over ``pages`` and the KV heads over ``kv``."""
+    """Raises unless every group's pages split over ``pages`` and the KV heads over ``kv``, and
+    the KV dtype is a float one (quantized pages are not sharded yet)."""
+    if layout.quantized:
+        raise ValueError(f"layout.dtype={layout.dtype!r}: quantized KV pages are not supported over a mesh; "
+                         "use float32, bfloat16 or float16")
     _check_divides("num_kv_heads", layout.num_kv_heads, mesh, KV)
     for group, n in enumerate(layout.num_pages):
         _check_divides(f"num_pages[{group}]", n, mesh, PAGES)
