@@ -230,3 +230,26 @@ def test_smollm2_quantized_snapshot_and_host_tier_round_trip_exactly(smollm2, lo
     assert original.num_reused_tokens >= 144 and restored.manager.stats.onboarded_pages > 0
     assert again.output == original.output
     np.testing.assert_array_equal(np.stack(again.logits), np.stack(original.logits))
+
+
+def test_bench_memory_rows_check_the_formula_against_the_pool(smollm2):
+    from configs.bench_memory import get_config
+    from experiments.bench_memory import attention_rows
+
+    config = get_config()
+    with config.unlocked():
+        config.attention.kv_heads = (3,)
+    rows = {(r["dtype"], r["scales"]): r for r in attention_rows(config, smollm2)}
+    assert set(rows) == {("float32", "-"), ("bfloat16", "-"), *((d, g) for d in ("int8", "fp8") for g in ("token", "page"))}
+    assert rows[("float32", "-")]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert rows[("int8", "token")]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
+    assert rows[("fp8", "page")]["allocated_bytes_per_slot"] == 2 * 30 * 3 * (64 + 4 / 32)
+    assert rows[("int8", "page")]["tokens_in_budget"] == (1 << 30) // (2 * 30 * 3 * (32 * 64 + 4)) * 32
+
+
+def test_quantized_layouts_are_refused_over_a_mesh():
+    from kvjax import distributed
+
+    mesh = distributed.make_mesh(2, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="layout.dtype='int8': quantized KV pages are not supported over a mesh"):
+        distributed.init_sharded_pool(layout("int8", "token"), mesh)
