@@ -9,7 +9,7 @@ import pytest
 from experiments.workloads.rag import make_examples
 from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
-from kvjax.blend.selection import SelectionConfig
+from kvjax.blend.selection import SelectionConfig, target_count
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 
@@ -67,3 +67,24 @@ def test_repositioned_layer0_keys_equal_full_recompute(setup):
     reused = blender.run(prompt, NONE, num_probes=1).trace
     s, e = prompt.roles.chunk_spans[1][0], prompt.roles.suffix_start
     np.testing.assert_allclose(np.asarray(reused["k"][0, s:e]), np.asarray(exact["k"][0, s:e]), rtol=1e-4, atol=1e-4)
+
+
+def test_cacheblend_single_recomputes_the_top_key_difference_at_layer_1(setup):
+    _, prompt, blender, _ = setup
+    n = prompt.roles.num_tokens
+    exact = blender.run(prompt, SelectionConfig(selector="all"), num_probes=1).trace
+    reused = blender.run(prompt, NONE, num_probes=1).trace
+    k_dev = np.square(np.asarray(exact["k"][1, :n]) - np.asarray(reused["k"][1, :n])).sum(axis=(-2, -1))
+    run = blender.run(prompt, SelectionConfig(selector="cacheblend_single", recompute_ratio=0.15), num_probes=1)
+    rec = np.asarray(run.trace["recomputed"])[:, :n]
+    selectable, _ = prompt.roles.masks(n)
+    ids = np.flatnonzero(selectable)
+    top = np.sort(ids[np.argsort(-k_dev[ids])[: target_count(prompt.roles, 0.15)]])
+    np.testing.assert_array_equal(np.flatnonzero(rec[-1] & selectable), top)
+    assert (rec[2:] == rec[2]).all()
+
+
+def test_query_aware_fused_at_ratio_one_reproduces_full_recompute(setup):
+    _, prompt, blender, full = setup
+    config = SelectionConfig(selector="query_aware_fused", recompute_ratio=1.0, budgets=(1.0, 1.0, 1.0))
+    assert rel_err(blender.run(prompt, config).logits[-1], full) <= RTOL
