@@ -23,19 +23,20 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
     config.seed = 0  # choice of SQuAD paragraphs and questions
     config.attn_impl = "auto"  # kvjax.attention impl: auto | blocked | reference
-    config.num_prompts = 8  # prompts per workload (batch b runs them b at a time)
-    config.max_new_tokens = 48  # greedy tokens per request
+    config.num_prompts = 8  # prompts per workload, >= max(batches)
+    config.min_cell_prompts = 3  # a cell of batch b decodes the first max(b, min_cell_prompts) prompts, b at a time
+    config.max_new_tokens = 32  # greedy tokens per request
     config.batches = (1, 8)  # decode batch sizes measured
     config.ks = ml_collections.ConfigDict()  # draft lengths k of each drafter's speedup-vs-k curve
     config.ks.ngram = (1, 2, 4, 8)  # prompt lookup (drafting is free: longer k only costs verification rows)
-    config.ks.early_exit = (1, 2, 4)  # early exit (each draft token costs exit_layer layers + the LM head)
+    config.ks.early_exit = (2, 4)  # early exit (each draft token costs exit_layer layers + the LM head)
     config.ngram_sizes = (1, 3)  # prompt lookup n-gram sizes (min, max)
     config.exit_layer = 12  # early-exit drafter: layers run per draft token (SmolLM2 has 30)
     config.max_seq_len = 1024  # longest prompt + generation, tokens
 
     config.kv_cache = ml_collections.ConfigDict()
     config.kv_cache.tokens_per_block = 32  # tokens per page
-    config.kv_cache.max_tokens = 16384  # device cache in tokens (no eviction in the speed runs)
+    config.kv_cache.max_tokens = 8192  # device cache in tokens (no eviction in the speed runs)
     config.scheduler = ml_collections.ConfigDict()
     config.scheduler.max_num_tokens = 2048  # token budget per step
     config.scheduler.prefill_chunk_size = 1024  # prompt tokens per prefill chunk
@@ -54,6 +55,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     if preset == "tiny":
         config.num_prompts = 1
+        config.min_cell_prompts = 1
         config.max_new_tokens = 8
         config.batches = (1,)
         config.ks.ngram = (2,)

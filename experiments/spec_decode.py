@@ -97,27 +97,29 @@ def decode_speed(engine: Engine, prompts: Sequence[list[int]], batch: int, max_n
 
 
 def speed_rows(model: Model, config: ml_collections.ConfigDict) -> list[dict]:
-    """One row per (workload, batch, drafter, k), plus the baseline rows (drafter "off")."""
+    """One row per (workload, batch, drafter, k), plus the baseline rows (drafter "off"). A
+    cell decodes the workload's first max(batch, min_cell_prompts) prompts, batch at a time.
+    One engine lives at a time (each holds a page pool), the baseline first."""
     prompts = workloads(model, config)
-    engines = {("off", 0): make_engine(model, config, None)}
-    for method, ks in config.ks.items():
-        for k in ks:
-            engines[(method, k)] = make_engine(model, config, spec_config(config, method, k))
+    cases = [(w, b) for w in prompts for b in config.batches]
+    variants = [("off", 0)] + [(method, k) for method, ks in config.ks.items() for k in ks]
+    base: dict[tuple[str, int], dict] = {}
     rows = []
-    for workload, batch in tqdm([(w, b) for w in prompts for b in config.batches], desc="speed"):
-        subset = prompts[workload]
-        for engine in engines.values():  # compile pass: the shapes this workload and batch meet
-            decode_speed(engine, subset[:batch], batch, min(16, config.max_new_tokens))
-        base = decode_speed(engines[("off", 0)], subset, batch, config.max_new_tokens)
-        for (method, k), engine in engines.items():
-            res = base if method == "off" else decode_speed(engine, subset, batch, config.max_new_tokens)
+    for method, k in tqdm(variants, desc="speed"):
+        engine = make_engine(model, config, None if method == "off" else spec_config(config, method, k))
+        for workload, batch in cases:
+            subset = prompts[workload][: max(batch, config.min_cell_prompts)]
+            decode_speed(engine, subset[:batch], batch, min(8, config.max_new_tokens))  # compile pass
+            res = decode_speed(engine, subset, batch, config.max_new_tokens)
+            ref = base.setdefault((workload, batch), res)
             rows.append({
                 "workload": workload, "batch": batch, "drafter": method, "k": k,
-                "tokens_per_s": res["decode_tokens_per_s"], "speedup": res["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+                "tokens_per_s": res["decode_tokens_per_s"], "speedup": res["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
                 "mean_accepted_length": res["mean_accepted_length"], "acceptance_rate": res["acceptance_rate"],
                 "draft_share": res["draft_share"], "decode_steps": res["decode_steps"],
-                "outputs_equal": res["outputs"] == base["outputs"],
+                "outputs_equal": res["outputs"] == ref["outputs"],
             })
+        del engine
     return rows
 
 
