@@ -35,15 +35,15 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
     config.rag = ml_collections.ConfigDict()
-    config.rag.num_prompts = 8  # synthetic RAG prompts (bootstrap units)
-    config.rag.num_chunks = (4, 6)  # (min, max) retrieved chunks per prompt
-    config.rag.chunk_tokens = (128, 256)  # (min, max) tokens per chunk (multiples of 64)
-    config.rag.continuation_tokens = 24  # teacher-forced positions after the prompt
+    config.rag.num_prompts = 6  # synthetic RAG prompts (bootstrap units)
+    config.rag.num_chunks = (3, 4)  # (min, max) retrieved chunks per prompt
+    config.rag.chunk_tokens = (64, 128)  # (min, max) tokens per chunk (multiples of 64)
+    config.rag.continuation_tokens = 16  # teacher-forced positions after the prompt
 
     config.long = ml_collections.ConfigDict()
     config.long.text_path = str(_TEXT)  # text the prompts are cut from (committed fixture)
     config.long.num_prompts = 3  # passages continued (bootstrap units)
-    config.long.prompt_tokens = 128  # tokens per passage
+    config.long.prompt_tokens = 96  # tokens per passage
     config.long.generate_tokens = 256  # greedy continuation length (>= 256)
 
     config.blend = ml_collections.ConfigDict()
@@ -58,10 +58,11 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.speed.models = ("smollm2-135m",)  # models whose decode speed is measured (of config.models)
     config.speed.batches = (1, 8)  # decode batch sizes
     config.speed.context = 128  # prompt tokens before decoding
-    config.speed.decode_tokens = 32  # decode steps timed per round
+    config.speed.decode_tokens = 16  # decode steps timed per round
     config.speed.warmup = 1  # untimed rounds (compilation)
-    config.speed.rounds = 3  # timed rounds; the median is reported
+    config.speed.rounds = 2  # timed rounds; the median is reported
     config.speed.attn_impl = "blocked"  # attention of the speed engines: auto | reference | blocked
+    config.speed.scale_granularities = ("token",)  # scales of the quantized engines timed
 
     if preset == "tiny":
         config.models = ("smollm2-135m",)

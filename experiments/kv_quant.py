@@ -57,12 +57,14 @@ def sequence_layout(model: Model, dtype: str, granularity: str, max_seq_len: int
 
 
 def continuation_logits(
-    model: Model, layout: CacheLayout, prompt: list[int], forced: list[int] | None, num: int, attn_impl: str
+    model: Model, layout: CacheLayout, prompt: list[int], forced: list[int] | None, num: int, attn_impl: str,
+    padded: int,
 ) -> tuple[np.ndarray, list[int]]:
     """Logits of ``num`` continuation positions after ``prompt``, one decode step each.
 
     Args:
       forced: the continuation fed back (teacher forcing); None = greedy (its own argmax).
+      padded: the prompt's prefill is padded to this many tokens (one compiled shape for all prompts).
 
     Returns:
       (logits [num, V] float32 — row i predicts continuation token i, the tokens fed).
@@ -70,7 +72,6 @@ def continuation_logits(
     n = len(prompt)
     table = jnp.arange(1, layout.num_pages[0], dtype=jnp.int32)[None]  # one sequence owns every page
     tables = (table,) * layout.num_groups
-    padded = prefill_bucket(n)
     tokens = np.zeros((1, padded), np.int32)
     tokens[0, :n] = prompt
     positions = np.full((1, padded), -1, np.int32)
@@ -95,21 +96,25 @@ def _ci(values: list[float], config: ml_collections.ConfigDict) -> dict[str, flo
 
 
 def quality_rows(
-    config: ml_collections.ConfigDict, model: Model, part: str, prompts: list[list[int]], num: int
+    config: ml_collections.ConfigDict, model: Model, part: str, prompts: list[list[int]], num: int,
+    max_seq_len: int, padded: int,
 ) -> tuple[list[dict], list[dict]]:
     """KL / top-1 / divergence of every variant against the float32 cache on ``prompts``.
+
+    Args:
+      max_seq_len, padded: the sequence pool's capacity and the prefill length, shared by every
+        part so that each cache variant compiles one prefill and one decode program.
 
     Returns:
       (summary rows per variant with bootstrap intervals over prompts, per-prompt rows).
     """
-    longest = max(len(p) for p in prompts) + num
-    max_seq_len = bucket(longest, config.page_size)
     layout = lambda d, g: sequence_layout(model, d, g, max_seq_len, config.page_size)  # noqa: E731
     per_prompt: list[dict] = []
     for i, prompt in enumerate(tqdm(prompts, desc=f"{part} {model.config.name}", unit="prompt")):
-        ref_logits, ref_tokens = continuation_logits(model, layout(*REFERENCE), prompt, None, num, config.attn_impl)
+        ref_logits, ref_tokens = continuation_logits(model, layout(*REFERENCE), prompt, None, num, config.attn_impl, padded)
         for dtype, granularity in variants(config):
-            logits, _ = continuation_logits(model, layout(dtype, granularity), prompt, ref_tokens, num, config.attn_impl)
+            logits, _ = continuation_logits(model, layout(dtype, granularity), prompt, ref_tokens, num, config.attn_impl,
+                                            padded)
             agree = np.argmax(logits, axis=-1) == np.asarray(ref_tokens)
             per_prompt.append({
                 "model": model.config.name, "part": part, "prompt": i, "dtype": dtype, "scales": granularity,
@@ -196,7 +201,7 @@ def speed_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
     rng = np.random.default_rng(config.seed)
     max_seq_len = bucket(c.context + c.decode_tokens + 2, config.page_size)
     rows = []
-    for dtype, granularity in [REFERENCE, *variants(config)]:
+    for dtype, granularity in [REFERENCE, *[(d, g) for d, g in variants(config) if g in c.scale_granularities]]:
         kv = KvCacheConfig(tokens_per_block=config.page_size, max_tokens=max(c.batches) * max_seq_len, dtype=dtype,
                            scale_granularity="token" if granularity == "-" else granularity)
         engine = Engine(model, kv, SchedulerConfig(max_batch_size=max(c.batches)), max_seq_len=max_seq_len,
@@ -226,12 +231,16 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         if model.tokenizer is None:
             raise ValueError(f"model {name!r} has no tokenizer: the RAG workload needs one")
         prompts = rag_prompts(config, model)
-        rows, detail = quality_rows(config, model, "rag", [p.tokens.tolist() for p in prompts], config.rag.continuation_tokens)
-        quality += rows
-        per_prompt += detail
-        rows, detail = quality_rows(config, model, "long", long_prompts(config, model), config.long.generate_tokens)
-        quality += rows
-        per_prompt += detail
+        parts = {
+            "rag": ([p.tokens.tolist() for p in prompts], config.rag.continuation_tokens),
+            "long": (long_prompts(config, model), config.long.generate_tokens),
+        }
+        max_seq_len = bucket(max(len(p) + num for ps, num in parts.values() for p in ps), config.page_size)
+        padded = prefill_bucket(max(len(p) for ps, _ in parts.values() for p in ps))
+        for part, (part_prompts, num) in parts.items():
+            rows, detail = quality_rows(config, model, part, part_prompts, num, max_seq_len, padded)
+            quality += rows
+            per_prompt += detail
         if len(dict.fromkeys(model.config.layer_windows)) == 1 and config.blend.enabled:
             blend += blend_rows(config, model, prompts)
         if name in config.speed.models:
