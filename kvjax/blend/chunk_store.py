@@ -18,12 +18,11 @@ come after the chunk, so causal attention leaves the chunk's KV unchanged).
 Looking chunks up (``acquire``) registers one short-lived lookup request per chunk with the
 same tokens under the same salt: the manager matches the chunk's cached blocks, takes
 references on them and queues onboards for blocks offloaded to the host tier, which the
-engine executes at once. ``gather_slots`` then reads the KV of every prompt token from the
-engine's pages in one jitted gather, and ``release`` drops the references (the blocks stay
-cached, LRU-ordered by this use). A lookup appends one sentinel token so the last block
-matches too (the manager always leaves the last prompt token to compute).
-
-Shapes: L = layers, T = padded prompt tokens, K = kv heads, d = head_dim.
+engine executes at once. ``slots`` maps the looked-up positions to prompt tokens, the
+blended prefill reads their KV from the engine's pages (``fusor.prepare``), and ``release``
+drops the references (the blocks stay cached, LRU-ordered by this use). A lookup appends
+one sentinel token so the last block matches too (the manager always leaves the last
+prompt token to compute).
 """
 
 from __future__ import annotations
@@ -33,11 +32,9 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import NULL_PAGE, PagePool, Pages, read_slots
+from kvjax.cache import NULL_PAGE
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.manager.hashing import InternalScope, check_token_ids
 from kvjax.sampling import SamplingParams
@@ -86,24 +83,6 @@ class StoreStats:
     hit_tokens: int = 0
     missed_tokens: int = 0
     onboarded_pages: int = 0
-
-
-@jax.jit
-def gather_slots(pool: PagePool, page_ids: jax.Array, offsets: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """KV of arbitrary cache slots in every layer; zeros where ``valid`` is False.
-
-    Args:
-      page_ids, offsets, valid: [T] int32, int32, bool (invalid slots may name any page).
-
-    Returns:
-      (k, v), each [L, T, K, d].
-    """
-    mask = valid[:, None, None]
-
-    def read(pages: Pages) -> jax.Array:
-        return jnp.where(mask, read_slots(pages, page_ids, offsets), 0)  # [T, K, d], quantized pages dequantized
-
-    return jnp.stack([read(p) for p in pool.k]), jnp.stack([read(p) for p in pool.v])
 
 
 class ChunkStore:
@@ -259,4 +238,4 @@ class ChunkStore:
         return page_ids, offsets, valid
 
 
-__all__ = ["ChunkStore", "Lease", "PAD", "SENTINEL", "StoreStats", "VARIANTS", "Variant", "gather_slots"]
+__all__ = ["ChunkStore", "Lease", "PAD", "SENTINEL", "StoreStats", "VARIANTS", "Variant"]

@@ -11,9 +11,10 @@ when its prefill comes, the engine calls ``blended_prefill``:
 2. every chunk is looked up in its chunk scope (``ChunkStore.acquire``, onboarding host
    blocks) and the exact prefix (system prompt) either from chunk 0's lookup (when the
    prompt's prefix is the store's variant prefix) or from the ordinary scope (salt None);
-   their KV is gathered from the engine's pages in one jitted gather, then released;
-3. ``selection.plan`` builds the rows to recompute, and ``fusor.blend_prefill`` writes the
-   reused KV (keys re-rotated) and the recomputed rows' KV into the request's pages;
+   their slots in the engine's pages are held until the prefill has read them;
+3. ``selection.plan`` builds the rows to recompute, and ``fusor.blend_prefill`` reads the
+   reused KV from those slots (keys re-rotated, one program for all layers) and writes it
+   with the recomputed rows' KV into the request's pages;
 4. the scheduler commits the prompt (full blocks enter the tree under the blend scope) and
    the engine samples the first token; decoding goes on with the other requests.
 
@@ -45,10 +46,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from kvjax.blend.chunk_store import ChunkStore, gather_slots
+from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
 from kvjax.blend.selection import Roles, SelectionConfig, bucket, estimated_rows, plan
 from kvjax.cache import NULL_PAGE
@@ -185,6 +185,12 @@ def blended_prefill(
     def place(slots: tuple[np.ndarray, ...]) -> None:
         page_ids[slots[2]], offsets[slots[2]], valid[slots[2]] = slots[0][slots[2]], slots[1][slots[2]], True
 
+    # Tokens matched in the blend scope: their fused KV is already in the request's own pages.
+    own = np.asarray(manager.block_table(request_id, 0), np.int32)
+    cached = np.arange(num_cached)
+    page_ids[:num_cached], offsets[:num_cached] = own[cached // engine.layout.page_size], cached % engine.layout.page_size
+    valid[:num_cached] = True
+
     chunks = [prompt[s:e] for s, e in roles.chunk_spans]
     prefix_in_store = bool(chunks) and 0 < p == store.stored_start and tuple(prompt[:p]) == store.variant_prefix
     todo = [i for i, (s, e) in enumerate(roles.chunk_spans) if e > num_cached or (i == 0 and prefix_in_store)]
@@ -198,72 +204,72 @@ def blended_prefill(
         if prefix_lease is not None:
             store.release(prefix_lease)
         raise
-    prefix_hit = 0
-    if prefix_lease is not None:
-        hit = range(num_cached, max(num_cached, min(prefix_lease.covered[0], p)))
-        prefix_hit = len(hit)
-        place(store.slots(prefix_lease.tables[0], hit, padded, num_cached))
-    elif prefix_in_store and num_cached < p:
-        hit = range(num_cached, min(lease.covered[0], p))
-        prefix_hit = len(hit)
-        place(store.slots(lease.tables[0], hit, padded, num_cached))
-    spans, deltas = [], np.zeros(padded, np.int32)
-    chunk_hit = 0
-    for i, table, covered in zip(todo, lease.tables, lease.covered):
-        s, e = roles.chunk_spans[i]
-        stored = min(max(0, covered - store.stored_start), e - s)  # chunk tokens with stored KV
-        first = max(s, num_cached)
-        hit = range(store.stored_start + first - s, store.stored_start + stored)
-        if len(hit):
-            place(store.slots(table, hit, padded, first))
-            spans.append((first, s + stored))
-            deltas[first : s + stored] = s - store.stored_start
-        chunk_hit += len(hit)
-    store.stats.lookups += len(todo)
-    store.stats.hit_tokens += chunk_hit
-    k, v = gather_slots(engine.pool, jnp.asarray(page_ids), jnp.asarray(offsets), jnp.asarray(valid))
-    store.release(lease)
-    if prefix_lease is not None:
-        store.release(prefix_lease)
+    try:
+        prefix_hit = 0
+        if prefix_lease is not None:
+            hit = range(num_cached, max(num_cached, min(prefix_lease.covered[0], p)))
+            prefix_hit = len(hit)
+            place(store.slots(prefix_lease.tables[0], hit, padded, num_cached))
+        elif prefix_in_store and num_cached < p:
+            hit = range(num_cached, min(lease.covered[0], p))
+            prefix_hit = len(hit)
+            place(store.slots(lease.tables[0], hit, padded, num_cached))
+        spans, deltas = [], np.zeros(padded, np.int32)
+        chunk_hit = 0
+        for i, table, covered in zip(todo, lease.tables, lease.covered):
+            s, e = roles.chunk_spans[i]
+            stored = min(max(0, covered - store.stored_start), e - s)  # chunk tokens with stored KV
+            first = max(s, num_cached)
+            hit = range(store.stored_start + first - s, store.stored_start + stored)
+            if len(hit):
+                place(store.slots(table, hit, padded, first))
+                spans.append((first, s + stored))
+                deltas[first : s + stored] = s - store.stored_start
+            chunk_hit += len(hit)
+        store.stats.lookups += len(todo)
+        store.stats.hit_tokens += chunk_hit
 
-    idx = np.arange(padded)
-    in_spans = np.zeros(padded, bool)
-    for s, e in spans:
-        in_spans[s:e] = True
-    chunk_mask, _ = roles.masks(padded)
-    missed = chunk_mask & ~in_spans & (idx >= num_cached)
-    store.stats.missed_tokens += int(missed.sum())
-    forced_mask = (idx >= num_cached) & (idx < n) & ~in_spans & ~((idx < p) & valid)
-    exact_len = p + (len(chunks[0]) if prefix_in_store and roles.chunk_spans[0][0] == p else 0)
-    sel = plan(
-        Roles(num_tokens=n, prefix_len=max(num_cached, p), chunk_spans=tuple(spans), suffix_start=roles.suffix_start),
-        reuse.selection, padded, cfg.num_layers, forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
-        num_cached=num_cached, exact_len=exact_len, scores=reuse.scores,
-    )
-    width = max(4, 1 << (engine.layout.pages_for(padded) - 1).bit_length())
-    table = manager.block_table(request_id, 0)
-    block_table = np.full((1, width), NULL_PAGE, np.int32)
-    block_table[0, : len(table)] = table
-    positions = np.where(idx < n, idx, -1).astype(np.int32)
-    tokens = np.zeros(padded, np.int32)
-    tokens[:n] = prompt
-    probes = np.full(reuse.num_probes, -1, np.int32)
-    suffix = np.arange(roles.suffix_start, n)[: reuse.num_probes]
-    probes[: len(suffix)] = suffix
-    inputs = BlendInputs(
-        tokens=tokens, positions=positions, reused_k=k, reused_v=v, deltas=deltas, selectable=in_spans,
-        forced=forced_mask, rows=sel.rows, rows_valid=sel.rows_valid, counts=sel.counts, block_table=block_table,
-        length=np.asarray([n], np.int32), probes=probes, num_cached=np.int32(num_cached),
-    )
-    blend_plan = BlendPlan(checks=sel.checks, score=sel.score, num_probes=reuse.num_probes,
-                           num_logits=reuse.num_prompt_logits)
-    jax.block_until_ready((k, v))
-    load_s = time.perf_counter() - t0
-    phases: dict[str, float] = {}
-    logits, engine.pool, trace = blend_prefill(
-        engine.model.params, engine.pool, inputs, cfg=cfg, layout=engine.layout, plan=blend_plan,
-        attn_impl=engine.attn_impl, phases=phases,
-    )
+        idx = np.arange(padded)
+        in_spans = np.zeros(padded, bool)
+        for s, e in spans:
+            in_spans[s:e] = True
+        chunk_mask, _ = roles.masks(padded)
+        missed = chunk_mask & ~in_spans & (idx >= num_cached)
+        store.stats.missed_tokens += int(missed.sum())
+        forced_mask = (idx >= num_cached) & (idx < n) & ~in_spans & ~((idx < p) & valid)
+        exact_len = p + (len(chunks[0]) if prefix_in_store and roles.chunk_spans[0][0] == p else 0)
+        sel = plan(
+            Roles(num_tokens=n, prefix_len=max(num_cached, p), chunk_spans=tuple(spans), suffix_start=roles.suffix_start),
+            reuse.selection, padded, cfg.num_layers, forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
+            num_cached=num_cached, exact_len=exact_len, scores=reuse.scores,
+        )
+        width = max(4, 1 << (engine.layout.pages_for(padded) - 1).bit_length())
+        table = manager.block_table(request_id, 0)
+        block_table = np.full((1, width), NULL_PAGE, np.int32)
+        block_table[0, : len(table)] = table
+        positions = np.where(idx < n, idx, -1).astype(np.int32)
+        tokens = np.zeros(padded, np.int32)
+        tokens[:n] = prompt
+        probes = np.full(reuse.num_probes, -1, np.int32)
+        suffix = np.arange(roles.suffix_start, n)[: reuse.num_probes]
+        probes[: len(suffix)] = suffix
+        inputs = BlendInputs(
+            tokens=tokens, positions=positions, page_ids=page_ids, offsets=offsets, reused=valid, deltas=deltas,
+            selectable=in_spans, forced=forced_mask, rows=sel.rows, rows_valid=sel.rows_valid, counts=sel.counts,
+            block_table=block_table, length=np.asarray([n], np.int32), probes=probes, num_cached=np.int32(num_cached),
+        )
+        blend_plan = BlendPlan(checks=sel.checks, score=sel.score, num_probes=reuse.num_probes,
+                               num_logits=reuse.num_prompt_logits)
+        load_s = time.perf_counter() - t0
+        phases: dict[str, float] = {}
+        logits, engine.pool, trace = blend_prefill(
+            engine.model.params, engine.pool, inputs, cfg=cfg, layout=engine.layout, plan=blend_plan,
+            attn_impl=engine.attn_impl, phases=phases,
+        )
+    finally:  # the chunk blocks stay referenced until the fusor has read them
+        store.release(lease)
+        if prefix_lease is not None:
+            store.release(prefix_lease)
     if trace is not None:
         trace["k"], trace["v"] = trace["k"][:, :n], trace["v"][:, :n]
     report = BlendReport(

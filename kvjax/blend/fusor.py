@@ -9,9 +9,11 @@ layer. Then for every layer l (compiled as a check phase plus one reused layer s
    layer their deviation from the reused KV narrows the set (``selection.narrow``);
 2. the recomputed rows' K/V overwrite the reused ones in the layer's contiguous K/V (the
    fused KV);
-3. the recomputed rows attend over it with ``attention.partial_attention`` (the contiguous
-   array seen as pages 0, 1, ...), whose causal mask is exact by position
-   (``key_pos <= query_pos``), and run the MLP.
+3. the recomputed rows attend over it (``attend_rows``: on CPU blocked attention straight
+   over the contiguous K/V, elsewhere the backend's ``attention.partial_attention`` with the
+   array seen as pages 0, 1, ...), with a causal mask exact by position
+   (``key_pos <= query_pos``), and run the MLP. After a check the kept rows are in token
+   order, so blocks of rows attend over a causal staircase of keys.
 
 Finally the fused KV of every layer is written into the sequence's pages in one program
 (``write_fused``; tokens below ``num_cached`` are left alone). Decoding then continues with
@@ -37,9 +39,10 @@ from kvjax import attention
 from kvjax.blend.reposition import reposition_keys
 from kvjax.blend.selection import FEATURES, CheckScore, check_features, check_score, narrow
 from kvjax.cache.layout import CacheLayout
-from kvjax.cache.pool import PagePool, slot_mapping, write_layer
+from kvjax.cache.pool import Pages, PagePool, read_slots, slot_mapping, write_layer
 from kvjax.model import transformer
 from kvjax.model.config import ModelConfig
+from pallas_kernels.partial_attention.rows import row_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +70,9 @@ class BlendInputs:
     Attributes:
       tokens: [T] int32 prompt ids (padding: any id).
       positions: [T] int32 absolute positions; -1 = padding.
-      reused_k, reused_v: [L, T, K, d] stored KV of each token (keys rotated for the stored
-        positions; zeros where a token has no stored KV, i.e. the suffix).
+      page_ids, offsets: [T] int32 pool slot of each token's stored KV (keys rotated for the
+        stored positions); any slot where ``reused`` is False.
+      reused: [T] bool tokens with stored KV (the others, e.g. the suffix, start from zeros).
       deltas: [T] int32 actual minus stored position of each token.
       selectable: [T] bool chunk tokens (may be selected).
       forced: [T] bool suffix tokens (always recomputed).
@@ -84,8 +88,9 @@ class BlendInputs:
 
     tokens: jax.Array
     positions: jax.Array
-    reused_k: jax.Array
-    reused_v: jax.Array
+    page_ids: jax.Array
+    offsets: jax.Array
+    reused: jax.Array
     deltas: jax.Array
     selectable: jax.Array
     forced: jax.Array
@@ -150,6 +155,10 @@ def blend_layer(
         forced = inputs.forced[rows.idx] & rows.valid
         eligible = (inputs.selectable[rows.idx] | inputs.forced[rows.idx]) & rows.valid
         picked, valid = narrow(dev, forced, eligible, count, capacity)
+        # Kept rows in token order (invalid ones last): the row attention's query blocks then
+        # span narrow position ranges and visit only the key blocks up to their last row.
+        order = jnp.argsort(jnp.where(valid, rows.idx[picked], jnp.iinfo(jnp.int32).max))
+        picked, valid = picked[order], valid[order]
         rows = RowState(idx=rows.idx[picked], valid=valid, x=rows.x[picked])
         q, k, v = q[:, picked], k[:, picked], v[:, picked]
         row_pos = jnp.where(valid, inputs.positions[rows.idx], -1)
@@ -158,26 +167,67 @@ def blend_layer(
     target = jnp.where(rows.valid, rows.idx, t)  # invalid rows write nowhere
     seq_k = seq_k.at[target].set(k[0].astype(seq_k.dtype), mode="drop")
     seq_v = seq_v.at[target].set(v[0].astype(seq_v.dtype), mode="drop")
-    ps = layout.page_size
-    pages = (t // ps, ps, *seq_k.shape[1:])
-    out = attention.partial_attention(
-        q, row_pos[None], seq_k.reshape(pages), seq_v.reshape(pages), inputs.length,
-        jnp.arange(t // ps, dtype=jnp.int32)[None], sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer),
-        impl=attn_impl,
-    )  # [1, M, H, d]
-    x = transformer.finish_layer(lp, cfg, rows.x[None], out)[0]
-    return rows.replace(x=x), seq_k, seq_v, out[0]
+    out = attend_rows(
+        q[0], row_pos, seq_k, seq_v, inputs.length[0], sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer),
+        page_size=layout.page_size, attn_impl=attn_impl,
+    )  # [M, H, d]
+    x = transformer.finish_layer(lp, cfg, rows.x[None], out[None])[0]
+    return rows.replace(x=x), seq_k, seq_v, out
+
+
+def attend_rows(
+    q: jax.Array,
+    q_positions: jax.Array,
+    seq_k: jax.Array,
+    seq_v: jax.Array,
+    length: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    page_size: int,
+    attn_impl: attention.Impl,
+) -> jax.Array:
+    """Attention of the recomputed rows over the sequence's fused contiguous K/V.
+
+    On CPU with ``attn_impl`` "auto" or "blocked" this is ``rows.row_attention`` straight over
+    the contiguous arrays; otherwise (TPU/GPU kernels, "reference", "interpret") the arrays are
+    seen as pages 0, 1, ... of ``attention.partial_attention``. Both mask exactly by position.
+
+    Args:
+      q: [M, H, d]; q_positions: [M] int32 (negative = padding row, output zero).
+      seq_k, seq_v: [T, K, d] (T a multiple of ``page_size``); length: [] int32 valid slots.
+
+    Returns:
+      [M, H, d] in q's dtype.
+    """
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    if attn_impl in ("auto", "blocked") and jax.default_backend() == "cpu":
+        return row_attention(q, q_positions, seq_k, seq_v, length, **options)
+    t = seq_k.shape[0]
+    pages = (t // page_size, page_size, *seq_k.shape[1:])
+    return attention.partial_attention(
+        q[None], q_positions[None], seq_k.reshape(pages), seq_v.reshape(pages), length[None],
+        jnp.arange(t // page_size, dtype=jnp.int32)[None], impl=attn_impl, **options,
+    )[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def prepare(inputs: BlendInputs, *, cfg: ModelConfig) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Per-layer contiguous reused KV at the actual positions: keys re-rotated by ``deltas``.
+def prepare(
+    pool: PagePool, inputs: BlendInputs, *, cfg: ModelConfig
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Per-layer contiguous reused KV at the actual positions, read from the pool's slots in one
+    program: keys re-rotated by ``deltas``, zeros where a token has no stored KV.
 
     Returns:
-      (k, v): one [T, K, d] array per layer each.
+      (k, v): one [T, K, d] array per layer each (quantized pages dequantized).
     """
-    k = tuple(reposition_keys(inputs.reused_k[i], inputs.deltas, cfg.layer_rope_theta[i]) for i in range(cfg.num_layers))
-    return k, tuple(inputs.reused_v[i] for i in range(cfg.num_layers))
+    mask = inputs.reused[:, None, None]
+
+    def read(pages: Pages) -> jax.Array:
+        return jnp.where(mask, read_slots(pages, inputs.page_ids, inputs.offsets), 0)  # [T, K, d]
+
+    k = tuple(reposition_keys(read(p), inputs.deltas, cfg.layer_rope_theta[i]) for i, p in enumerate(pool.k))
+    return k, tuple(read(p) for p in pool.v)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("pool",))
@@ -348,7 +398,7 @@ def blend_prefill(
         raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of page_size={layout.page_size}")
     clock = _PhaseClock(phases)
     inputs = jax.device_put(inputs)
-    seq_k, seq_v = prepare(inputs, cfg=cfg)
+    seq_k, seq_v = prepare(pool, inputs, cfg=cfg)
     clock.lap("reposition", seq_k)
     first = plan.checks[-1][0] + 1 if plan.checks else 0
     options = dict(cfg=cfg, layout=layout, num_probes=plan.num_probes, attn_impl=attn_impl)

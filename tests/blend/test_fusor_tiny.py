@@ -11,7 +11,8 @@ import pytest
 
 from kvjax.blend.blender import FULL_RECOMPUTE
 from kvjax.blend.selection import SelectionConfig, target_count
-from kvjax.testing.blend import make_blender, random_prompt
+from kvjax.sampling import SamplingParams
+from kvjax.testing.blend import make_blender, random_prompt, submit_blended
 
 RTOL = 1e-5
 ALL = SelectionConfig(selector="all", row_bucket=16)
@@ -104,3 +105,20 @@ def test_the_selection_plan_ignores_fed_tokens(setup):
     assert rel_err(fed.logits[0], alone.logits[-1]) < 1e-4
     assert np.asarray(fed.trace["k"]).shape[1] == n + 3
     assert dataclasses.replace(config, selector="none") != config
+
+
+@pytest.mark.parametrize("config", [NONE, ALL], ids=["none", "all"])
+def test_blend_scope_match_attends_over_the_cached_fused_kv(setup, config):
+    """A second blended request of the same scope matches the first one's blocks (num_cached > 0)
+    and must attend over their fused KV from its own pages: same logits as the first."""
+    _, prompt, blender, _ = setup
+    store, engine = blender.store, blender.engine
+    sampling = SamplingParams(max_new_tokens=1, ignore_eos=True, return_logits=True)
+    outputs = []
+    for _ in range(2):
+        rid = submit_blended(store, prompt, config, sampling)
+        while not engine.requests[rid].finished:
+            engine.step()
+        outputs.append(engine.output(rid))
+    assert outputs[0].blend_report.num_cached == 0 and outputs[1].blend_report.num_cached > 0
+    assert rel_err(outputs[1].prompt_logits[-1], outputs[0].prompt_logits[-1]) < RTOL
