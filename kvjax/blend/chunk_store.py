@@ -56,12 +56,12 @@ class Lease:
 
     Attributes:
       request_ids: one lookup request per looked-up token sequence.
-      tables: per lookup, its device page ids (one per block, group 0).
+      tables: per lookup, per layer group, its device page ids (one per block).
       covered: per lookup, leading tokens of the looked-up sequence with stored KV.
     """
 
     request_ids: tuple[str, ...]
-    tables: tuple[tuple[int, ...], ...]
+    tables: tuple[tuple[tuple[int, ...], ...], ...]
     covered: tuple[int, ...]
 
 
@@ -89,8 +89,9 @@ class ChunkStore:
     """Chunk KV as blocks of ``engine.manager`` under a chunk scope.
 
     Args:
-      engine: the engine whose manager, pages and host tier hold the chunks. Its cache must
-        have one layer group (every layer full attention).
+      engine: the engine whose manager, pages and host tier hold the chunks. With several
+        layer groups (sliding-window layers) a chunk is stored in every group, so a stored
+        chunk (with its prefix) must fit the smallest window (``put`` checks it).
       variant: start variant ("pos0", "bos", "system").
       prefix_tokens: the shared system prompt (the "system" variant).
       retention: retention of chunk blocks (priorities, durations), applied when stored and
@@ -109,11 +110,6 @@ class ChunkStore:
             raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
         if variant == "system" and not prefix_tokens:
             raise ValueError("variant='system' needs the shared prefix_tokens")
-        if engine.layout.num_groups != 1:
-            raise ValueError(
-                f"the engine's cache has {engine.layout.num_groups} layer groups (windows "
-                f"{engine.manager.group_windows}); the chunk store needs 1 (full attention)"
-            )
         if not engine.kv_config.enable_block_reuse:
             raise ValueError("kv_cache_config.enable_block_reuse=False: chunks cannot be stored as reusable blocks")
         self.engine = engine
@@ -162,7 +158,8 @@ class ChunkStore:
 
         Raises:
           ValueError: before any work, for an empty chunk, a token id outside [0, vocab_size)
-            or a chunk that does not fit the engine's ``max_seq_len`` behind the variant prefix.
+            a chunk that does not fit the engine's ``max_seq_len`` behind the variant prefix, or
+            (sliding-window layers) whose stored request does not fit the smallest window.
           RuntimeError: the engine failed the prefill (the other requests went on).
         """
         tokens = check_token_ids(tokens, "tokens", self.engine.model.config.vocab_size)
@@ -171,6 +168,14 @@ class ChunkStore:
             raise ValueError(
                 f"a chunk of {len(tokens)} tokens must hold between 1 and engine.max_seq_len={self.engine.max_seq_len} "
                 f"- {self.stored_start} (the {self.variant!r} prefix) - page_size = {limit} tokens"
+            )
+        windows = self.engine.manager.group_windows
+        if len(windows) > 1 and len(self.stored_tokens(tokens)) + 1 > min(windows):
+            raise ValueError(
+                f"a chunk of {len(tokens)} tokens is stored as {len(self.stored_tokens(tokens))} tokens (the "
+                f"{self.variant!r} prefix, the chunk, pads to a block boundary) plus one sampled token; a windowed "
+                f"layer group keeps only the blocks inside its window, so with windows {windows} this must be at most "
+                f"{min(windows)} tokens"
             )
         self.stats.puts += 1
         if self.num_cached(tokens) >= len(tokens):
@@ -206,7 +211,7 @@ class ChunkStore:
                 rid = f"{self.salt}/lookup-{next(self._ids)}"
                 found = manager.add_request(rid, (*seq, SENTINEL), retention=self.retention, cache_salt=salt)
                 ids.append(rid)
-                tables.append(tuple(manager.block_table(rid, 0)))
+                tables.append(tuple(tuple(manager.block_table(rid, g)) for g in range(self.engine.layout.num_groups)))
                 covered.append(min(found, len(seq)))
         except Exception:
             self.release(Lease(tuple(ids), (), ()))
@@ -220,19 +225,25 @@ class ChunkStore:
         for rid in lease.request_ids:
             self.engine.manager.free_request(rid)
 
-    def slots(self, table: Sequence[int], stored: range, padded: int, at: int) -> tuple[np.ndarray, ...]:
+    def slots(
+        self, tables: Sequence[Sequence[int]], stored: range, padded: int, at: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Slot arrays placing stored positions ``stored`` at prompt tokens ``at, at + 1, ...``.
 
+        Args:
+          tables: one lookup's page ids per layer group (``Lease.tables[i]``).
+
         Returns:
-          (page_ids [padded] int32, offsets [padded] int32, valid [padded] bool).
+          (page_ids [G, padded] int32, offsets [padded] int32, valid [padded] bool).
         """
         ps = self.page_size
-        page_ids = np.full(padded, NULL_PAGE, np.int32)
+        page_ids = np.full((len(tables), padded), NULL_PAGE, np.int32)
         offsets = np.zeros(padded, np.int32)
         valid = np.zeros(padded, bool)
         pos = np.asarray(stored, np.int64)
         dst = np.arange(at, at + len(pos))
-        page_ids[dst] = np.asarray(table, np.int32)[pos // ps]
+        for g, table in enumerate(tables):
+            page_ids[g, dst] = np.asarray(table, np.int32)[pos // ps]
         offsets[dst] = pos % ps
         valid[dst] = True
         return page_ids, offsets, valid

@@ -178,18 +178,21 @@ def blended_prefill(
     roles = reuse.roles(n)
     p = roles.prefix_len
     padded = bucket(n, reuse.token_bucket)
-    page_ids = np.full(padded, NULL_PAGE, np.int32)
+    ps = engine.layout.page_size
+    own = [np.asarray(manager.block_table(request_id, g), np.int32) for g in range(engine.layout.num_groups)]
+    page_ids = np.full((len(own), padded), NULL_PAGE, np.int32)  # per layer group
     offsets = np.zeros(padded, np.int32)
     valid = np.zeros(padded, bool)
 
     def place(slots: tuple[np.ndarray, ...]) -> None:
-        page_ids[slots[2]], offsets[slots[2]], valid[slots[2]] = slots[0][slots[2]], slots[1][slots[2]], True
+        page_ids[:, slots[2]], offsets[slots[2]], valid[slots[2]] = slots[0][:, slots[2]], slots[1][slots[2]], True
 
-    # Tokens matched in the blend scope: their fused KV is already in the request's own pages.
-    own = np.asarray(manager.block_table(request_id, 0), np.int32)
+    # Tokens matched in the blend scope: their fused KV is already in the request's own pages
+    # (a windowed group shows the null page outside its window; no row attends there).
     cached = np.arange(num_cached)
-    page_ids[:num_cached], offsets[:num_cached] = own[cached // engine.layout.page_size], cached % engine.layout.page_size
-    valid[:num_cached] = True
+    for g, table in enumerate(own):
+        page_ids[g, :num_cached] = table[cached // ps]
+    offsets[:num_cached], valid[:num_cached] = cached % ps, True
 
     chunks = [prompt[s:e] for s, e in roles.chunk_spans]
     prefix_in_store = bool(chunks) and 0 < p == store.stored_start and tuple(prompt[:p]) == store.variant_prefix
@@ -244,9 +247,9 @@ def blended_prefill(
             num_cached=num_cached, exact_len=exact_len, scores=reuse.scores,
         )
         width = max(4, 1 << (engine.layout.pages_for(padded) - 1).bit_length())
-        table = manager.block_table(request_id, 0)
-        block_table = np.full((1, width), NULL_PAGE, np.int32)
-        block_table[0, : len(table)] = table
+        block_table = np.full((len(own), width), NULL_PAGE, np.int32)
+        for g, table in enumerate(own):
+            block_table[g, : len(table)] = table
         positions = np.where(idx < n, idx, -1).astype(np.int32)
         tokens = np.zeros(padded, np.int32)
         tokens[:n] = prompt

@@ -22,7 +22,9 @@ engine runs it for every request submitted with chunks (``kvjax.blend.engine_ble
 Recomputing every row reproduces full recompute; recomputing only the suffix is full KV reuse.
 
 Shapes: L = layers, T = padded prompt tokens, M = recomputed row capacity, K = kv heads,
-H = heads, d = head_dim, D = d_model, V = vocab, P = probe rows, pages_per_seq = block-table width.
+H = heads, d = head_dim, D = d_model, V = vocab, P = probe rows, pages_per_seq = block-table width,
+G = layer groups (one per attention window: each group has its own pages and block table; a
+windowed layer's rows attend only inside its window).
 """
 
 from __future__ import annotations
@@ -70,15 +72,16 @@ class BlendInputs:
     Attributes:
       tokens: [T] int32 prompt ids (padding: any id).
       positions: [T] int32 absolute positions; -1 = padding.
-      page_ids, offsets: [T] int32 pool slot of each token's stored KV (keys rotated for the
-        stored positions); any slot where ``reused`` is False.
+      page_ids: [G, T] int32 page of each token's stored KV (keys rotated for the stored
+        positions) in each layer group's pool; offsets: [T] int32 its slot in the page. Any
+        slot where ``reused`` is False.
       reused: [T] bool tokens with stored KV (the others, e.g. the suffix, start from zeros).
       deltas: [T] int32 actual minus stored position of each token.
       selectable: [T] bool chunk tokens (may be selected).
       forced: [T] bool suffix tokens (always recomputed).
       rows: [M0] int32 tokens recomputed from layer 0; rows_valid: [M0] bool.
       counts: [num_checks] int32 rows kept after each check.
-      block_table: [1, pages_per_seq] int32 pages of the sequence.
+      block_table: [G, pages_per_seq] int32 pages of the sequence in each layer group.
       length: [1] int32 prompt length.
       probes: [P] int32 positions whose attention output is traced (-1 = none).
       num_cached: [] int32 leading tokens whose KV the pages already hold (blocks matched by
@@ -211,9 +214,9 @@ def attend_rows(
     )[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "layout"))
 def prepare(
-    pool: PagePool, inputs: BlendInputs, *, cfg: ModelConfig
+    pool: PagePool, inputs: BlendInputs, *, cfg: ModelConfig, layout: CacheLayout
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Per-layer contiguous reused KV at the actual positions, read from the pool's slots in one
     program: keys re-rotated by ``deltas``, zeros where a token has no stored KV.
@@ -223,11 +226,12 @@ def prepare(
     """
     mask = inputs.reused[:, None, None]
 
-    def read(pages: Pages) -> jax.Array:
-        return jnp.where(mask, read_slots(pages, inputs.page_ids, inputs.offsets), 0)  # [T, K, d]
+    def read(pages: Pages, layer: int) -> jax.Array:
+        page_ids = inputs.page_ids[layout.layer_group[layer]]
+        return jnp.where(mask, read_slots(pages, page_ids, inputs.offsets), 0)  # [T, K, d]
 
-    k = tuple(reposition_keys(read(p), inputs.deltas, cfg.layer_rope_theta[i]) for i, p in enumerate(pool.k))
-    return k, tuple(read(p) for p in pool.v)
+    k = tuple(reposition_keys(read(p, i), inputs.deltas, cfg.layer_rope_theta[i]) for i, p in enumerate(pool.k))
+    return k, tuple(read(p, i) for i, p in enumerate(pool.v))
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("pool",))
@@ -237,9 +241,14 @@ def write_fused(
     """Writes the fused KV ([T, K, d] per layer) into the sequence's pages, except the
     ``num_cached`` leading tokens (pages the tree already holds, possibly shared)."""
     write_pos = jnp.where(inputs.positions >= inputs.num_cached, inputs.positions, -1)  # [T]
-    page_ids, offsets = slot_mapping(inputs.block_table, write_pos[None], layout.page_size)
-    new_k = tuple(write_layer(p, page_ids, offsets, k[i][None]) for i, p in enumerate(pool.k))
-    new_v = tuple(write_layer(p, page_ids, offsets, v[i][None]) for i, p in enumerate(pool.v))
+    slots = [slot_mapping(table[None], write_pos[None], layout.page_size) for table in inputs.block_table]
+
+    def write(pages: Pages, fused: jax.Array, layer: int) -> Pages:
+        page_ids, offsets = slots[layout.layer_group[layer]]
+        return write_layer(pages, page_ids, offsets, fused[None])
+
+    new_k = tuple(write(p, k[i], i) for i, p in enumerate(pool.k))
+    new_v = tuple(write(p, v[i], i) for i, p in enumerate(pool.v))
     return PagePool(k=new_k, v=new_v)
 
 
@@ -398,7 +407,7 @@ def blend_prefill(
         raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of page_size={layout.page_size}")
     clock = _PhaseClock(phases)
     inputs = jax.device_put(inputs)
-    seq_k, seq_v = prepare(pool, inputs, cfg=cfg)
+    seq_k, seq_v = prepare(pool, inputs, cfg=cfg, layout=layout)
     clock.lap("reposition", seq_k)
     first = plan.checks[-1][0] + 1 if plan.checks else 0
     options = dict(cfg=cfg, layout=layout, num_probes=plan.num_probes, attn_impl=attn_impl)
