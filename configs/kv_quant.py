@@ -27,6 +27,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.experiment = "kv_quant"  # module experiments.kv_quant
     config.models = ("smollm2-135m", "gemma3-270m")  # registry names (gemma3-270m: no CacheBlend, its windowed layer groups)
+    config.parts = ("rag", "long", "blend", "speed")  # parts run (see above)
     config.seed = 0  # workload, random speed prompts and bootstrap seed
     config.dtypes = ("int8", "fp8")  # quantized KV dtypes compared with float32
     config.scale_granularities = ("token", "page")  # scales: per token and KV head / per page and KV head
@@ -47,7 +48,6 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.long.generate_tokens = 256  # greedy continuation length (>= 256)
 
     config.blend = ml_collections.ConfigDict()
-    config.blend.enabled = True  # CacheBlend on quantized vs float32 chunk KV
     config.blend.recompute_ratio = 0.15  # CacheBlend share of chunk tokens recomputed
     config.blend.check_layers = (1, 2, 3)  # CacheBlend deviation checks
     config.blend.budgets = (2.0, 1.5, 1.0)  # rows kept after each check, in units of the target
