@@ -26,7 +26,7 @@ SELECTORS = ("cacheblend", "cacheblend_single", "epic", "query_aware", "query_aw
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.experiment = "cacheblend"  # module experiments.cacheblend
-    config.model = "smollm2-135m"  # registry name: smollm2-135m (gemma3-270m has no CacheBlend path: windowed layer groups)
+    config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m (windowed layer groups; chunks must fit the 512-token window)
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
     config.seed = 0  # workload, random selection, scorer initialisation and bootstrap seed
     config.num_prompts = 4  # evaluation prompts (bootstrap units); scale to hundreds for tight intervals

@@ -37,7 +37,7 @@ TINY_CASES = {
     "gqa3_on3": dict(num_heads=6, num_kv_heads=3),
 }
 EXPECTED_MESH = {"mha8": (1, 8), "gqa4": (2, 4), "gqa3": (8, 1), "mqa1": (8, 1), "gqa3_on3": (1, 3)}
-BLEND_CASES = ("mha8", "gqa3_on3")  # the chunk store needs one layer group (no sliding windows)
+BLEND_CASES = ("mha8", "gqa3_on3")  # one layer group each (Gemma's windows are covered in tests/blend/test_gemma_blend.py)
 KERNEL_CASES = ("gqa4",)
 
 
