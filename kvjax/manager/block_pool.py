@@ -215,27 +215,22 @@ class BlockPool:
             self._evict_device(victim)
         return self.device_free.popleft()
 
-    def _take_host_page(self) -> int | None:
-        """A free host page, moving the host LRU victim down to the disk tier (or dropping
-        it) if needed; None when every host block is referenced (being onboarded)."""
-        if not self.host_free:
-            victim = self.host_queue.pop()
+    def _take_lower_page(self, tier: Tier) -> int | None:
+        """A free page of the host or disk tier, making room if needed: the host LRU victim
+        moves down to the disk tier (or is dropped), the disk LRU victim is dropped; None
+        when every block of the tier is referenced (being onboarded)."""
+        free = self._free_pages(tier)
+        if not free:
+            victim = (self.host_queue if tier is Tier.HOST else self.disk_queue).pop()
             if victim is None:
                 return None
-            self.stats.host_evictions += 1
-            self._spill(victim)
-        return self.host_free.popleft()
-
-    def _take_disk_page(self) -> int | None:
-        """A free disk page, dropping the disk LRU victim if needed; None when every disk
-        block is referenced (being onboarded)."""
-        if not self.disk_free:
-            victim = self.disk_queue.pop()
-            if victim is None:
-                return None
-            self.stats.disk_evictions += 1
-            self._drop(victim)
-        return self.disk_free.popleft()
+            if tier is Tier.HOST:
+                self.stats.host_evictions += 1
+                self._spill(victim)
+            else:
+                self.stats.disk_evictions += 1
+                self._drop(victim)
+        return free.popleft()
 
     def _spill(self, victim: Block) -> None:
         """Moves an unreferenced host block (out of the host queue; its children, if any, are
@@ -244,7 +239,7 @@ class BlockPool:
         block is referenced; its host page joins the free list either way."""
         disk_page = None
         if self.num_disk_pages and should_offload(victim.priority, self.offload_min_priority):
-            disk_page = self._take_disk_page()
+            disk_page = self._take_lower_page(Tier.DISK)
         if disk_page is None:
             self._drop(victim)
             return
@@ -267,7 +262,7 @@ class BlockPool:
             # Making room on the host may drop the victim's last host child; the reference
             # keeps the victim (already out of the device queue) from being queued again.
             victim.ref_count += 1
-            host_page = self._take_host_page()
+            host_page = self._take_lower_page(Tier.HOST)
             victim.ref_count -= 1
         if host_page is None:
             self._drop(victim)
