@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import report
-from experiments.timing import machine_limits
+from experiments.timing import decode_step_seconds, machine_limits
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.registry import load_model
@@ -66,14 +66,7 @@ def measure(engine: Engine, config: ml_collections.ConfigDict, rng: np.random.Ge
         rows[f"prefill_{n}"] = (n / ttft, wall)
     for batch in config.decode_batches:
         sampling = SamplingParams(max_new_tokens=config.decode_tokens + 1, ignore_eos=True)
-        ids = [engine.submit(draw(config.decode_context), sampling) for _ in range(batch)]
-        while any(engine.requests[i].first_token_time is None for i in ids):
-            engine.step()
-        start, steps = time.perf_counter(), 0
-        while engine.has_work:
-            engine.step()
-            steps += 1
-        step_s = (time.perf_counter() - start) / steps
+        step_s = decode_step_seconds(engine, [draw(config.decode_context) for _ in range(batch)], sampling)
         rows[f"decode_b{batch}"] = (1e3 * step_s / batch, step_s)
     return rows
 

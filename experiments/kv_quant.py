@@ -13,7 +13,6 @@ included, has the given dtype.
 from __future__ import annotations
 
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import report
+from experiments.timing import decode_step_seconds
 from experiments.workloads import rag
 from kvjax import metrics
 from kvjax.blend.blender import BlendPrompt
@@ -211,14 +211,8 @@ def speed_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
             times = []
             for _ in range(c.warmup + c.rounds):
                 sampling = SamplingParams(max_new_tokens=c.decode_tokens + 1, ignore_eos=True)
-                ids = [engine.submit(rng.integers(3, model.config.vocab_size, c.context).tolist(), sampling) for _ in range(batch)]
-                while any(engine.requests[i].first_token_time is None for i in ids):
-                    engine.step()
-                start, steps = time.perf_counter(), 0
-                while engine.has_work:
-                    engine.step()
-                    steps += 1
-                times.append((time.perf_counter() - start) / steps / batch)
+                prompts = [rng.integers(3, model.config.vocab_size, c.context).tolist() for _ in range(batch)]
+                times.append(decode_step_seconds(engine, prompts, sampling) / batch)
             rows.append({"model": model.config.name, "dtype": dtype, "scales": granularity, "batch": batch,
                          "attn_impl": c.attn_impl, "ms_per_token": 1e3 * float(np.median(times[c.warmup:]))})
     return rows

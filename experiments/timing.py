@@ -4,11 +4,16 @@ limits (matmul rate, copy bandwidth) that every speed row is read against."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvjax.engine import Engine
+    from kvjax.sampling import SamplingParams
 
 
 def median_seconds(fn: Callable[[], object], warmup: int, iters: int) -> float:
@@ -37,3 +42,17 @@ def machine_limits(iters: int = 5) -> dict[str, float]:
         "matmul_mlp_gflops": 2 * 1024 * 576 * 1536 / median_seconds(lambda: matmul(x, w), 1, iters) / 1e9,
         "copy_gb_s": 2 * big.nbytes / median_seconds(lambda: np.copyto(out, big), 1, iters) / 1e9,
     }
+
+
+def decode_step_seconds(engine: Engine, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> float:
+    """Submits ``prompts`` together, steps until every one has its first token (prefill, not
+    timed), then returns the mean wall seconds of the remaining steps, in which every
+    sequence decodes (``sampling.max_new_tokens`` >= 2)."""
+    ids = [engine.submit(list(p), sampling) for p in prompts]
+    while any(engine.requests[i].first_token_time is None for i in ids):
+        engine.step()
+    start, steps = time.perf_counter(), 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - start) / steps
