@@ -1,0 +1,44 @@
+"""Per-op profile of the engine's forward at the shapes of the speed benchmark's rows.
+
+    python -m experiments.run --config=configs/profile_step.py
+    python -m experiments.run --config=configs/profile_step.py:tiny   # a fast smoke run
+
+Each row runs the jitted ``transformer.forward`` with exactly the arguments the engine builds
+for that step (padded rows, block tables of the bucketed width, pages of a ``decode_context``
+token sequence per decoding row), traced with ``jax.profiler``. The trace's XLA ops are joined
+with the compiled HLO of the same executable, so every op gets a label (a dot with its operand
+shapes, a gather, the cache scatter, ...), its CPU time per step, and for dots the reached
+GFLOP/s and weight-streaming GB/s, beside this machine's matmul rate and copy bandwidth.
+
+Rows: ``decode_b<S>`` (S sequences, one token each) and ``prefill_<T>`` (one sequence, T new
+tokens, no cached prefix). The trace files stay in the run folder (``trace/<row>``, readable
+by Perfetto or TensorBoard), and each row's compiled HLO as hlo_<row>.txt.
+"""
+
+import ml_collections
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.experiment = "profile_step"  # module experiments.profile_step
+    config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m
+    config.rows = ("decode_b1", "decode_b8", "prefill_512", "prefill_2048")
+    config.decode_context = 128  # cached tokens of each decoding sequence (bench_engine's decode rows)
+    config.warmup = 2  # untimed calls per row after compilation
+    config.traced_steps = 10  # calls traced per row; op times are per call
+    config.attn_impl = "blocked"  # kvjax.attention impl: auto | blocked | reference
+    config.top_ops = 12  # ops listed per row in the summary (all of them go to ops_<row>.csv)
+
+    config.kv_cache = ml_collections.ConfigDict()
+    config.kv_cache.tokens_per_block = 32
+    config.kv_cache.max_tokens = 32768
+
+    if preset == "tiny":
+        config.rows = ("decode_b2", "prefill_64")
+        config.decode_context = 16
+        config.warmup = 1
+        config.traced_steps = 2
+        config.kv_cache.max_tokens = 4096
+    elif preset:
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")
+    return config

@@ -1,0 +1,226 @@
+"""Per-op profile of one forward step: where the time of a decode or prefill step goes.
+
+See ``configs/profile_step.py`` for the rows and the command.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import pathlib
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from experiments import report
+from experiments.timing import machine_limits
+from kvjax.cache import NULL_PAGE, CacheLayout, PagePool
+from kvjax.config import KvCacheConfig, SchedulerConfig
+from kvjax.engine import Engine, bucket, prefill_bucket
+from kvjax.model.registry import load_model
+from kvjax.model.transformer import forward
+
+_WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "end: ")
+"""Trace events on XLA threads that wrap or wait for ops rather than being one."""
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_SHAPE = re.compile(r"(f32|bf16|f16|s32|s8|u8|f8e4m3fn|pred)\[([\d,]*)\]")
+_BYTES = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fn": 1, "pred": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepArgs:
+    """The arguments the engine passes to ``forward`` for one step (see ``Engine._run``)."""
+
+    tokens: jax.Array  # [S, T] int32
+    positions: jax.Array  # [S, T] int32, -1 = padding
+    block_tables: tuple[jax.Array, ...]  # per layer group, [S, width] int32
+    lengths: jax.Array  # [S] int32
+
+
+def step_args(layout: CacheLayout, row: str, context: int, vocab_size: int, seed: int = 0) -> StepArgs:
+    """Engine-shaped inputs of a ``decode_b<S>`` row (S sequences of ``context`` cached tokens
+    decoding one token each; rows padded to a power of two) or a ``prefill_<T>`` row (one
+    sequence, T tokens from position 0, padded like a prefill chunk). Sequences own disjoint
+    pages, allocated from page 1 upwards."""
+    kind, _, size = row.rpartition("_")
+    if kind == "decode" and size.startswith("b") and size[1:].isdigit():
+        seqs, new, start = int(size[1:]), 1, context
+        rows, t = bucket(seqs), 1
+    elif kind == "prefill" and size.isdigit():
+        seqs, new, start = 1, int(size), 0
+        rows, t = 1, prefill_bucket(int(size))
+    else:
+        raise ValueError(f"row={row!r} must be 'decode_b<batch>' or 'prefill_<tokens>'")
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((rows, t), np.int32)
+    positions = np.full((rows, t), -1, np.int32)
+    lengths = np.zeros(rows, np.int32)
+    tokens[:seqs, :new] = rng.integers(0, vocab_size, (seqs, new))
+    positions[:seqs, :new] = np.arange(start, start + new)
+    lengths[:seqs] = start + new
+    pages = layout.pages_for(start + new)
+    width = bucket(pages, 4)
+    table = np.full((rows, width), NULL_PAGE, np.int32)
+    table[:seqs, :pages] = 1 + np.arange(seqs * pages).reshape(seqs, pages)
+    tables = tuple(jnp.asarray(table) for _ in range(layout.num_groups))
+    return StepArgs(jnp.asarray(tokens), jnp.asarray(positions), tables, jnp.asarray(lengths))
+
+
+def hlo_ops(hlo_text: str) -> dict[str, dict]:
+    """Op name -> {"label", "flops", "rhs_bytes"} for each instruction of a compiled HLO
+    module (nested ones too, e.g. a fusion and the dot inside it): a fusion or call is labelled by the dot it contains (operand shapes), else by
+    the most telling opcode of its body (gather, scatter, dynamic-update-slice, reduce)."""
+    bodies: dict[str, list[tuple[str, str, str, str]]] = collections.defaultdict(list)
+    insts: dict[str, tuple[str, str, str]] = {}
+    shapes: dict[str, str] = {}
+    current = ""
+    for line in hlo_text.splitlines():
+        inst = _INSTRUCTION.match(line)
+        if inst:
+            name, shape, opcode, rest = inst.groups()
+            bodies[current].append((name, shape, opcode, rest))
+            insts[name] = (shape, opcode, rest)
+            shapes[name] = shape
+            continue
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(1)
+            shapes.update(re.findall(r"([\w.\-]+): (\w+\[[\d,]*\])", line))
+    ops = {}
+    for name, (shape, opcode, rest) in insts.items():
+        called = re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", rest)
+        body = [i for c in called for i in bodies.get(c, [])] or [(name, shape, opcode, rest)]
+        dot = next((i for i in body if i[2] == "dot"), None)
+        if dot is not None:
+            _, out, _, operands = dot
+            lhs_name, rhs_name = re.findall(r"%([\w.\-]+)", operands.split(")")[0])[:2]
+            (lhs_type, lhs), (rhs_type, rhs), (_, out_dims) = _dims(shapes[lhs_name]), _dims(shapes[rhs_name]), _dims(out)
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", operands)
+            k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+            ops[name] = {
+                "label": f"dot {lhs_type}{list(lhs)} x {list(rhs)}",
+                "flops": 2 * math.prod(out_dims) * k,
+                "rhs_bytes": math.prod(rhs) * _BYTES.get(rhs_type, 4),
+            }
+            continue
+        opcodes = {i[2] for i in body}
+        kind = next((o for o in ("gather", "scatter", "dynamic-update-slice", "while", "sort", "reduce") if o in opcodes), opcode)
+        ops[name] = {"label": kind, "flops": 0, "rhs_bytes": 0}
+    return ops
+
+
+def _dims(shape: str) -> tuple[str, tuple[int, ...]]:
+    """("f32", (2, 3)) of an HLO shape such as "f32[2,3]{1,0}" (or of an instruction name's shape)."""
+    found = _SHAPE.search(shape)
+    if found is None:
+        return "?", ()
+    return found.group(1), tuple(int(d) for d in found.group(2).split(",") if d)
+
+
+def op_times(trace_dir: pathlib.Path) -> dict[str, tuple[float, int]]:
+    """Op name -> (CPU ns summed over XLA threads, events) from the newest trace under
+    ``trace_dir``; waits and executor wrappers are left out."""
+    path = sorted(trace_dir.glob("**/*.xplane.pb"))[-1]
+    data = jax.profiler.ProfileData.from_file(str(path))
+    times: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):
+                continue
+            for event in line.events:
+                if event.name.startswith(_WRAPPERS):
+                    continue
+                times[event.name][0] += event.duration_ns
+                times[event.name][1] += 1
+    return {name: (ns, n) for name, (ns, n) in times.items()}
+
+
+def profile_row(engine: Engine, row: str, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> tuple[dict, list[dict]]:
+    """Compiles and traces the forward of one row (trace under ``workdir/trace/<row>``, HLO in
+    ``workdir/hlo_<row>.txt``); returns (the row's totals, one dict per traced op)."""
+    trace_dir = workdir / "trace" / row
+    model = engine.model
+    args = step_args(engine.layout, row, config.decode_context, model.config.vocab_size)
+    static = dict(cfg=model.config, layout=engine.layout, logits_mode="last", attn_impl=config.attn_impl)
+    compiled = forward.lower(model.params, engine.pool, args.tokens, args.positions, args.block_tables, args.lengths, **static).compile()
+    hlo = compiled.as_text()
+    (workdir / f"hlo_{row}.txt").write_text(hlo)
+    labels = hlo_ops(hlo)
+    pool: PagePool = engine.pool
+
+    def call() -> None:
+        nonlocal pool
+        logits, pool = compiled(model.params, pool, args.tokens, args.positions, args.block_tables, args.lengths)
+        jax.block_until_ready(logits)
+
+    for _ in range(config.warmup):
+        call()
+    walls = []
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(config.traced_steps):
+            start = time.perf_counter()
+            call()
+            walls.append(time.perf_counter() - start)
+    engine.pool = pool
+    steps = config.traced_steps
+    ops = []
+    for name, (ns, events) in op_times(trace_dir).items():
+        info = labels.get(name, {"label": "(not in HLO)", "flops": 0, "rhs_bytes": 0})
+        ms = ns / 1e6 / steps
+        ops.append({
+            "op": name, "label": info["label"], "flops": info["flops"], "events_per_step": events / steps, "cpu_ms_per_step": ms,
+            "gflops": info["flops"] / ms / 1e6 if ms and info["flops"] else 0.0,
+            "rhs_gb_s": info["rhs_bytes"] / ms / 1e6 if ms and info["rhs_bytes"] else 0.0,
+        })
+    ops.sort(key=lambda o: -o["cpu_ms_per_step"])
+    cpu = sum(o["cpu_ms_per_step"] for o in ops)
+    for o in ops:
+        o["share"] = o["cpu_ms_per_step"] / cpu if cpu else 0.0
+    dots = [o for o in ops if o["label"].startswith("dot")]
+    dot_ms = sum(o["cpu_ms_per_step"] for o in dots)
+    flops = sum(o["flops"] for o in dots)
+    rhs = sum(labels[o["op"]]["rhs_bytes"] for o in dots)
+    wall = float(np.median(walls)) * 1e3
+    totals = {
+        "row": row, "wall_ms": wall, "cpu_ms": cpu, "dot_share": dot_ms / cpu if cpu else 0.0,
+        "dot_gflops_per_cpu_s": flops / dot_ms / 1e6 if dot_ms else 0.0,
+        "model_gflops_per_wall_s": flops / wall / 1e6,
+        "rhs_gb_per_wall_s": rhs / wall / 1e6,
+    }
+    return totals, ops
+
+
+def grouped(ops: list[dict]) -> list[dict]:
+    """Ops summed by label (e.g. the 30 per-layer instances of one projection)."""
+    groups: dict[str, dict] = {}
+    for o in ops:
+        g = groups.setdefault(o["label"], {"label": o["label"], "ops": 0, "cpu_ms_per_step": 0.0, "share": 0.0})
+        g["ops"] += 1
+        g["cpu_ms_per_step"] += o["cpu_ms_per_step"]
+        g["share"] += o["share"]
+    return sorted(groups.values(), key=lambda g: -g["cpu_ms_per_step"])
+
+
+def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
+    model = load_model(config.model)
+    engine = Engine(model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(),
+                    max_seq_len=config.kv_cache.max_tokens, attn_impl=config.attn_impl)
+    limits = machine_limits()
+    rows, sections = [], []
+    for row in config.rows:
+        totals, ops = profile_row(engine, row, config, workdir)
+        rows.append(totals)
+        report.write_csv(workdir / f"ops_{row}.csv", ops)
+        sections.append((f"{row}: ops grouped by label (CPU ms per step, summed over threads)",
+                         report.markdown_table(grouped(ops)[: config.top_ops])))
+    sections.insert(0, ("Rows (wall ms per forward; CPU ms summed over XLA threads)", report.markdown_table(rows)))
+    sections.insert(1, ("Machine", report.markdown_table([limits])))
+    report.write_csv(workdir / "rows.csv", rows)
+    report.write_summary(workdir, f"Per-op profile of the forward step — {config.model}", sections)
+    return {"rows": rows, "machine": limits}
