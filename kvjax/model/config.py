@@ -6,6 +6,9 @@ import dataclasses
 import functools
 import math
 
+LAYER_TYPES = ("attention", "recurrent")
+"""Token mixers a layer can have (``ModelConfig.layer_types``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -27,6 +30,10 @@ class ModelConfig:
       embed_scale: multiply embeddings by sqrt(d_model) (Gemma).
       query_scale: softmax scale; None = 1/sqrt(head_dim).
       bos_id, eos_ids: special tokens.
+      layer_types: token mixer per layer, cycled over the layers like attention windows:
+        "attention" or "recurrent" (gated linear attention, ``kvjax.model.recurrent``; its
+        heads are ``num_heads`` of width ``head_dim``). None = every layer attends. A model
+        with a recurrent layer is hybrid: its forward carries a per-sequence recurrent state.
     """
 
     name: str
@@ -50,6 +57,7 @@ class ModelConfig:
     query_scale: float | None = None
     bos_id: int = 1
     eos_ids: tuple[int, ...] = (2,)
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -58,6 +66,12 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"activation={self.activation!r} must be 'silu' or 'gelu_tanh'")
+        if self.layer_types is not None and (
+            not isinstance(self.layer_types, tuple)
+            or not self.layer_types
+            or any(t not in LAYER_TYPES for t in self.layer_types)
+        ):
+            raise ValueError(f"layer_types={self.layer_types!r} must be None or a non-empty tuple of {LAYER_TYPES}")
 
     @property
     def sm_scale(self) -> float:
@@ -78,9 +92,25 @@ class ModelConfig:
         local = self.rope_local_theta or self.rope_theta
         return tuple(local if self.is_local(i) else self.rope_theta for i in range(self.num_layers))
 
+    def is_recurrent(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer % len(self.layer_types)] == "recurrent"
+
+    @functools.cached_property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """Indices of the recurrent layers; the r-th one owns row r of the recurrent state."""
+        return tuple(i for i in range(self.num_layers) if self.is_recurrent(i))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer is recurrent (the forward then carries a recurrent state)."""
+        return bool(self.recurrent_layers)
+
     @property
     def params_per_token_flops(self) -> int:
-        """Multiply-adds ×2 per token of the non-embedding matmuls (attention scores excluded)."""
+        """Multiply-adds ×2 per token of the non-embedding matmuls (attention scores and the
+        recurrence excluded)."""
         attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        recurrent = self.d_model * self.num_heads * (4 * self.head_dim + 1)
         mlp = 3 * self.d_model * self.ffn_dim
-        return 2 * self.num_layers * (attn + mlp)
+        num_recurrent = len(self.recurrent_layers)
+        return 2 * ((self.num_layers - num_recurrent) * (attn + mlp) + num_recurrent * (recurrent + mlp))

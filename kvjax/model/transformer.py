@@ -9,8 +9,12 @@ Layers are unrolled over per-layer weight and page arrays rather than scanned ov
 ones: on CPU, XLA materialises a copy of each dynamically sliced layer (weights and pages),
 which made decode memory-bound on copies (measured 1.5-2x slower).
 
+A hybrid model (``cfg.layer_types`` with "recurrent" layers) runs its recurrent layers
+through ``kvjax.model.recurrent`` instead of attention: they read and write no pages, and
+their per-sequence state [R, S, H, d, d] is an explicit input and output of ``forward``.
+
 Shapes: S = sequences, T = query tokens per sequence, D = d_model, H = heads,
-K = kv heads, d = head_dim, F = ffn_dim, V = vocab.
+K = kv heads, d = head_dim, F = ffn_dim, V = vocab, R = recurrent layers.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jax.sharding import Mesh
 from kvjax import attention
 from kvjax.cache.layout import CacheLayout
 from kvjax.cache.pool import PagePool, slot_mapping, write_layer
+from kvjax.model import recurrent
 from kvjax.model.config import ModelConfig
 from kvjax.model.rope import apply_rope
 
@@ -34,7 +39,11 @@ LogitsMode = Literal["last", "all", "none"]
 
 @flax.struct.dataclass
 class LayerParams:
-    """Weights of one layer; optional ones are None."""
+    """Weights of one layer; optional ones are None.
+
+    A recurrent layer (hybrid models) uses wq, wk, wv as [D, H*d] projections of queries,
+    keys and values, plus ``decay_w``, ``decay_bias`` and ``state_norm``.
+    """
 
     attn_norm: jax.Array  # [D]
     wq: jax.Array  # [D, H*d]
@@ -49,6 +58,9 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [d]
     post_attn_norm: jax.Array | None = None  # [D]
     post_ffn_norm: jax.Array | None = None  # [D]
+    decay_w: jax.Array | None = None  # [D, H]
+    decay_bias: jax.Array | None = None  # [H]
+    state_norm: jax.Array | None = None  # [d]
 
 
 @flax.struct.dataclass
@@ -168,8 +180,31 @@ def attend_layer(
     return finish_layer(lp, cfg, x, out), pool_k, pool_v
 
 
+def recurrent_layer(
+    lp: LayerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, state: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One recurrent decoder layer: gated linear attention over the state, MLP.
+
+    Args:
+      x: [S, T, D]; positions: [S, T] (negative = padding, which leaves the state unchanged).
+      state: [S, H, d, d] float32, the layer's state before the step's first token.
+
+    Returns:
+      (x leaving the layer [S, T, D], state after the step's last valid token [S, H, d, d]).
+    """
+    h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
+    q, k, v, log_a = recurrent.projections(
+        h, lp.wq, lp.wk, lp.wv, lp.decay_w, lp.decay_bias, positions, cfg.num_heads, cfg.head_dim
+    )
+    state, o = recurrent.scan(state, q, k, v, log_a)
+    o = rms_norm(o, lp.state_norm, cfg.rms_eps).astype(x.dtype)  # [S, T, H, d]
+    return finish_layer(lp, cfg, x, o), state
+
+
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "logits_mode", "attn_impl", "mesh", "exit_layer"), donate_argnames=("pool",)
+    jax.jit,
+    static_argnames=("cfg", "layout", "logits_mode", "attn_impl", "mesh", "exit_layer"),
+    donate_argnames=("pool", "state"),
 )
 def forward(
     params: Params,
@@ -185,7 +220,8 @@ def forward(
     attn_impl: attention.Impl = "auto",
     mesh: Mesh | None = None,
     exit_layer: int | None = None,
-) -> tuple[jax.Array | None, PagePool]:
+    state: jax.Array | None = None,
+) -> tuple[jax.Array | None, PagePool] | tuple[jax.Array | None, PagePool, jax.Array]:
     """Runs the step's tokens through the model, writing their K/V into the pool.
 
     Args:
@@ -202,22 +238,38 @@ def forward(
       exit_layer: early exit (self-speculative drafting): run only layers ``[0, exit_layer)``,
         write K/V of those layers only, and apply the final norm and LM head to their output.
         None = every layer.
+      state: hybrid models only (required there, else None): [R, S, H, d, d] float32, each
+        row's recurrent state before its first token this step (donated). Each row's tokens
+        must continue its state: the first valid position is the number of tokens the state
+        has seen.
 
     Returns:
-      (logits float32 or None, updated pool).
+      (logits float32 or None, updated pool), and for a hybrid model the state after each
+      row's last valid token as a third element.
     """
+    if cfg.is_hybrid != (state is not None):
+        raise ValueError(
+            f"state must be given for a hybrid model and None otherwise; model {cfg.name!r} has "
+            f"{len(cfg.recurrent_layers)} recurrent layer(s) and state is {'None' if state is None else 'given'}"
+        )
     x = embed_tokens(params, cfg, tokens)
     pool_k, pool_v = list(pool.k), list(pool.v)
+    states = [] if state is None else list(state)
     for layer, lp in enumerate(params.layers[:exit_layer]):
+        if cfg.is_recurrent(layer):
+            r = cfg.recurrent_layers.index(layer)
+            x, states[r] = recurrent_layer(lp, cfg, x, positions, states[r])
+            continue
         x, pool_k[layer], pool_v[layer] = attend_layer(
             lp, cfg, layout, layer, pool_k[layer], pool_v[layer], x, positions,
             block_tables[layout.layer_group[layer]], lengths, attn_impl, mesh,
         )
     pool = PagePool(k=tuple(pool_k), v=tuple(pool_v))
+    carry = () if state is None else (jnp.stack(states),)
     if logits_mode == "none":
-        return None, pool
+        return (None, pool, *carry)
     if logits_mode == "all":
-        return logits_of(params, cfg, x), pool
+        return (logits_of(params, cfg, x), pool, *carry)
     last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)  # [S]
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [S, D]
-    return logits_of(params, cfg, x_last), pool
+    return (logits_of(params, cfg, x_last), pool, *carry)

@@ -1,15 +1,19 @@
 """An independent, unpaged float64/float32 numpy forward of the same architecture.
 
 Written from the model definitions (HF Llama / Gemma 3), sharing no code with
-``kvjax.model.transformer``; tests use it as the oracle for the paged JAX model.
+``kvjax.model.transformer``; tests use it as the oracle for the paged JAX model. Recurrent
+layers of hybrid models run the plain sequential recurrence, one token at a time (the JAX
+model runs a chunked form).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kvjax.model.config import ModelConfig
-from kvjax.model.transformer import Params
+from kvjax.model.transformer import LayerParams, Params
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -30,6 +34,48 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
+def _mlp(lp: LayerParams, cfg: ModelConfig, x: np.ndarray, mixed: np.ndarray, p: Callable) -> np.ndarray:
+    """Output projection of the mixer's heads [T, H, d], residual, MLP, residual."""
+    o = mixed.reshape(x.shape[0], -1) @ p(lp.wo)
+    if cfg.sandwich_norm:
+        o = _rms(o, p(lp.post_attn_norm), cfg.rms_eps)
+    x = x + o
+    h = _rms(x, p(lp.ffn_norm), cfg.rms_eps)
+    g = h @ p(lp.w_gate)
+    act = g / (1.0 + np.exp(-g)) if cfg.activation == "silu" else _gelu_tanh(g)
+    m = (act * (h @ p(lp.w_up))) @ p(lp.w_down)
+    if cfg.sandwich_norm:
+        m = _rms(m, p(lp.post_ffn_norm), cfg.rms_eps)
+    return x + m
+
+
+def recurrent_layer_numpy(
+    lp: LayerParams, cfg: ModelConfig, h: np.ndarray, state: np.ndarray, dtype: type = np.float64
+) -> tuple[np.ndarray, np.ndarray]:
+    """Gated linear attention of one recurrent layer, one token at a time.
+
+    Args:
+      h: [T, D] normed residual stream; state: [H, d, d] before the first token.
+
+    Returns:
+      (normed per-head outputs [T, H, d], state after the last token [H, d, d]).
+    """
+    p = lambda a: np.asarray(a, dtype=dtype)  # noqa: E731
+    heads, d = cfg.num_heads, cfg.head_dim
+    z = h @ p(lp.decay_w) + p(lp.decay_bias)  # [T, H]
+    decay = np.exp(-np.logaddexp(0.0, z))  # exp(-softplus(z))
+    out = np.zeros((h.shape[0], heads, d), dtype)
+    state = state.astype(dtype).copy()
+    for t in range(h.shape[0]):
+        q = (h[t] @ p(lp.wq)).reshape(heads, d)
+        k = (h[t] @ p(lp.wk)).reshape(heads, d) / np.sqrt(d)
+        v = (h[t] @ p(lp.wv)).reshape(heads, d)
+        for head in range(heads):
+            state[head] = decay[t, head] * state[head] + np.outer(k[head], v[head])
+            out[t, head] = q[head] @ state[head]
+    return _rms(out, p(lp.state_norm), cfg.rms_eps), state
+
+
 def numpy_logits(
     params: Params, cfg: ModelConfig, tokens: np.ndarray, dtype: type = np.float64, rows: np.ndarray | None = None
 ) -> np.ndarray:
@@ -42,6 +88,10 @@ def numpy_logits(
     group = cfg.num_heads // cfg.num_kv_heads
     for i, lp in enumerate(params.layers):
         h = _rms(x, p(lp.attn_norm), cfg.rms_eps)
+        if cfg.is_recurrent(i):
+            o, _ = recurrent_layer_numpy(lp, cfg, h, np.zeros((cfg.num_heads, cfg.head_dim, cfg.head_dim), dtype), dtype)
+            x = _mlp(lp, cfg, x, o, p)
+            continue
         q = (h @ p(lp.wq)).reshape(t, cfg.num_heads, cfg.head_dim)
         k = (h @ p(lp.wk)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = (h @ p(lp.wv)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -59,17 +109,7 @@ def numpy_logits(
         scores = np.where(mask[None], scores, -np.inf)
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         probs = scores / scores.sum(-1, keepdims=True)
-        o = np.einsum("hqk,khd->qhd", probs, v).reshape(t, -1) @ p(lp.wo)
-        if cfg.sandwich_norm:
-            o = _rms(o, p(lp.post_attn_norm), cfg.rms_eps)
-        x = x + o
-        h = _rms(x, p(lp.ffn_norm), cfg.rms_eps)
-        g = h @ p(lp.w_gate)
-        act = g / (1.0 + np.exp(-g)) if cfg.activation == "silu" else _gelu_tanh(g)
-        m = (act * (h @ p(lp.w_up))) @ p(lp.w_down)
-        if cfg.sandwich_norm:
-            m = _rms(m, p(lp.post_ffn_norm), cfg.rms_eps)
-        x = x + m
+        x = _mlp(lp, cfg, x, np.einsum("hqk,khd->qhd", probs, v), p)
     if rows is not None:
         x = x[np.asarray(rows)]
     return _rms(x, p(params.final_norm), cfg.rms_eps) @ p(params.embed).T
