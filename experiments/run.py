@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import report
+from kvjax.paths import cache_dir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/<name>.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; default runs/<experiment>-<timestamp>.")
@@ -26,8 +27,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; default runs/<exper
 
 def enable_compilation_cache() -> None:
     """Persists XLA executables under the kvjax cache so a repeated run skips compilation."""
-    from kvjax.model.gguf_loader import cache_dir
-
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 

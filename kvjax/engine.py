@@ -19,10 +19,11 @@ scheduler's allocations (so a draft never evicts a cached block), the drafter
 are rolled back, and the scheduler commits the input token and the accepted drafts only.
 Drafts are not charged to ``max_num_tokens``.
 
-A request submitted with ``chunks`` (``kvjax.blend.engine_blend.ChunkReuse``) is a blended
-request: its prompt reuses stored chunk KV (CacheBlend), scheduled like any other and charged
-the rows it recomputes; its whole prompt runs in one ``blended_prefill`` in step 3, beside
-the other prefills and the decode batch.
+A request submitted with ``chunks`` (a ``ChunkedPrompt``: CacheBlend's
+``kvjax.blend.engine_blend.ChunkReuse``) is a blended request: its prompt reuses stored chunk
+KV, scheduled like any other and charged the rows it recomputes; its whole prompt runs in one
+``chunks.prefill`` in step 3, beside the other prefills and the decode batch. The engine sees
+only the ``ChunkedPrompt`` protocol, so it never imports the blend package built on top of it.
 
 When a step cannot get pages, the scheduler preempts the newest running request (its
 blocks stay cached) and re-admits it later; no page another request owns is ever written.
@@ -51,7 +52,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -70,13 +71,10 @@ from kvjax.config import (
 )
 from kvjax.manager import KVCacheManager, MultimodalItem, PageOp, hashing
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
-from kvjax.model.registry import Model
+from kvjax.model.model import Model
 from kvjax.model.transformer import forward
 from kvjax.sampling import SamplingParams, sample
 from kvjax.speculative import DraftRow, make_drafter, verify
-
-if TYPE_CHECKING:
-    from kvjax.blend.engine_blend import BlendReport, ChunkReuse
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +111,28 @@ def check_token_ids(token_ids: object, vocab_size: int, field: str = "prompt_tok
     return ids
 
 
+class ChunkedPrompt(Protocol):
+    """What a blended request brings: the scope its blocks live in, its validation, its
+    scheduler charge and the prefill that computes its whole prompt (implemented by
+    ``kvjax.blend.engine_blend.ChunkReuse``)."""
+
+    @property
+    def salt(self) -> str:
+        """Cache scope of the request's blocks (used as its ``cache_salt``)."""
+
+    def check(self, engine: Engine, prompt: Sequence[int]) -> None:
+        """Raises ``ValueError`` naming the field that does not fit ``prompt`` on ``engine``."""
+
+    def num_rows(self, num_tokens: int, num_layers: int) -> int:
+        """Rows the prefill of a ``num_tokens`` prompt recomputes, averaged over layers."""
+
+    def prefill(
+        self, engine: Engine, request_id: str, prompt: Sequence[int], num_cached: int
+    ) -> tuple[jax.Array, dict | None, object]:
+        """Runs the prompt (``num_cached`` leading tokens already in its pages) on the request's
+        pages; returns (the last prompt positions' logits [R, V], a trace or None, a report)."""
+
+
 def _check_optional_str(field: str, value: object) -> None:
     if value is not None and not (isinstance(value, str) and value):
         raise ValueError(f"{field}={value!r} must be None or a non-empty str")
@@ -133,10 +153,10 @@ class RequestRecord:
     sched: SchedulerRequest
     sampling: SamplingParams
     submit_time: float
-    chunks: ChunkReuse | None = None
+    chunks: ChunkedPrompt | None = None
     prompt_logits: np.ndarray | None = None
     blend_trace: dict | None = None
-    blend_report: BlendReport | None = None
+    blend_report: object | None = None
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -172,7 +192,7 @@ class RequestOutput:
     logits: list[np.ndarray]
     error: str | None = None
     prompt_logits: np.ndarray | None = None
-    blend_report: BlendReport | None = None
+    blend_report: object | None = None
 
 
 class Engine:
@@ -297,7 +317,7 @@ class Engine:
         lora_id: int | None = None,
         mm_items: Sequence[MultimodalItem] = (),
         request_id: str | None = None,
-        chunks: ChunkReuse | None = None,
+        chunks: ChunkedPrompt | None = None,
     ) -> str:
         """Queues a request; returns its id.
 
@@ -671,13 +691,11 @@ class Engine:
 
     def _run_blend(self, work: ScheduledRequest) -> dict[str, int]:
         """A blended request's whole prompt (``work.start`` tokens cached) through
-        ``blended_prefill``; samples its first token."""
-        from kvjax.blend.engine_blend import blended_prefill
-
+        ``chunks.prefill``; samples its first token."""
         start = time.perf_counter()
         record = self.requests[work.request_id]
         prompt = record.sched.prompt_token_ids
-        logits, trace, report = blended_prefill(self, work.request_id, prompt, work.start, record.chunks)
+        logits, trace, report = record.chunks.prefill(self, work.request_id, prompt, work.start)
         record.prompt_logits, record.blend_trace, record.blend_report = np.asarray(logits), trace, report
         sampled = self._sample([work], logits[-1:])
         self.timings["blend_s"] += time.perf_counter() - start

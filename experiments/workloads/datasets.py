@@ -37,7 +37,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 
-from kvjax.model.gguf_loader import cache_dir
+from kvjax.paths import cache_dir
 
 MANIFEST = "manifest.json"
 SQUAD_SPLITS = ("squad_v11_dev", "new_wiki", "nyt", "reddit", "amazon")

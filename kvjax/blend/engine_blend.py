@@ -131,6 +131,12 @@ class ChunkReuse:
         """Rows the prefill recomputes, averaged over layers (the scheduler's charge)."""
         return estimated_rows(self.roles(num_tokens), self.selection, num_layers)
 
+    def prefill(
+        self, engine: Engine, request_id: str, prompt: Sequence[int], num_cached: int
+    ) -> tuple[jax.Array, dict | None, BlendReport]:
+        """The engine's call for this request's prompt: ``blended_prefill`` with these chunks."""
+        return blended_prefill(engine, request_id, prompt, num_cached, self)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlendReport:

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvjax.model.config import ModelConfig
 from kvjax.model.transformer import LayerParams, Params
+from kvjax.paths import cache_dir
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm",
@@ -40,10 +41,6 @@ _LAYER_TENSORS = {
     "post_ffn_norm": "post_ffw_norm",
 }
 _TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
-
-
-def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("KVJAX_CACHE_DIR", pathlib.Path.home() / ".cache" / "kvjax"))
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:

