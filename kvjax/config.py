@@ -142,6 +142,88 @@ class KvCacheRetentionConfig:
         return DEFAULT_PRIORITY, None
 
 
+REUSE_POLICIES = ("all_reusable", "per_conversation")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockReuseConfig:
+    """Which recurrent-state snapshots of a hybrid model are kept for reuse.
+
+    Attributes:
+      policy: "all_reusable" keeps snapshots at every configured position (periodic and
+        offsets) of every request; "per_conversation" keeps only the offset boundaries
+        (``MambaStateConfig.additional_snapshot_offsets_from_start`` / ``_from_end``; the
+        periodic interval is ignored) and, per conversation, only those of its last
+        ``max_num_turns`` turns. A conversation is a chain of requests in which each prompt
+        extends a finished request's prompt + output; a request extending none starts one.
+      max_num_turns: turns of one conversation whose snapshots are kept, >= 1
+        ("per_conversation" only).
+    """
+
+    policy: str = "all_reusable"
+    max_num_turns: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.policy in REUSE_POLICIES, f"block_reuse_config.policy={self.policy!r} must be one of {REUSE_POLICIES}")
+        _require(
+            _is_int(self.max_num_turns) and self.max_num_turns >= 1,
+            f"block_reuse_config.max_num_turns={self.max_num_turns!r} must be an int >= 1",
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MambaStateConfig:
+    """Where the recurrent state of a hybrid model is snapshotted for reuse (positions in tokens).
+
+    A snapshot is the state after the first p tokens of a sequence, p a block boundary
+    (a multiple of ``tokens_per_block``), keyed by the block key of the block ending at p; a
+    new request resumes from the deepest snapshot its cached prefix reaches.
+
+    Attributes:
+      periodic_snapshot_interval: a snapshot every this many tokens (prompt and generated);
+        0 = off; a multiple of ``tokens_per_block``. Ignored by the "per_conversation" policy.
+      additional_snapshot_offsets_from_start: positions p >= 0 counted from the sequence
+        start, rounded down to a block boundary (p < tokens_per_block takes none).
+      additional_snapshot_offsets_from_end: offsets o >= 0 counted back from the end of the
+        prompt: the snapshot is at len(prompt) - o rounded down to a block boundary. 0 = the
+        last full block of the prompt, the boundary the next turn of a chat reuses.
+      max_snapshots: snapshot slots of the state pool (each holds one state of every
+        recurrent layer), >= 1; the least recently used snapshot goes first when full,
+        after snapshots whose block has left the cache.
+    """
+
+    periodic_snapshot_interval: int = 0
+    additional_snapshot_offsets_from_start: tuple[int, ...] = ()
+    additional_snapshot_offsets_from_end: tuple[int, ...] = ()
+    max_snapshots: int = 256
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.periodic_snapshot_interval) and self.periodic_snapshot_interval >= 0,
+            f"mamba_state_config.periodic_snapshot_interval={self.periodic_snapshot_interval!r} must be an int >= 0 "
+            "(tokens; 0 = off)",
+        )
+        for name in ("additional_snapshot_offsets_from_start", "additional_snapshot_offsets_from_end"):
+            offsets = _as_tuple(f"mamba_state_config.{name}", getattr(self, name), "ints >= 0 (tokens)")
+            _require(
+                all(_is_int(o) and o >= 0 for o in offsets),
+                f"mamba_state_config.{name}={offsets!r} must be a list of ints >= 0 (tokens)",
+            )
+            object.__setattr__(self, name, offsets)
+        _require(
+            _is_int(self.max_snapshots) and self.max_snapshots >= 1,
+            f"mamba_state_config.max_snapshots={self.max_snapshots!r} must be an int >= 1",
+        )
+
+
+def _nested(cls: type, value: Any, field: str) -> Any:
+    """``value`` as a ``cls``: itself, or built from a mapping; else a ConfigError naming ``field``."""
+    if isinstance(value, cls):
+        return value
+    _require(isinstance(value, Mapping), f"{field}={value!r} must be a {cls.__name__} or a mapping of its fields")
+    return _from_mapping(cls, value, field)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class KvCacheConfig:
     """The KV cache: sizing, dtype, reuse, offload, windows and events (SPEC A, B).
@@ -171,6 +253,10 @@ class KvCacheConfig:
       max_attention_window: attention window per layer, cycled over the layers; None = full.
       event_buffer_max_size: capacity of the KV cache event buffer; 0 disables events.
       use_kv_cache_manager_v2: "auto", "true" or "false" (booleans accepted).
+      block_reuse_config: recurrent-state reuse policy of hybrid models (a mapping is accepted).
+      mamba_state_config: recurrent-state snapshot positions of hybrid models (a mapping is
+        accepted); its periodic interval must be a multiple of tokens_per_block, and the
+        "per_conversation" policy needs at least one offset.
     """
 
     tokens_per_block: int = 32
@@ -189,6 +275,8 @@ class KvCacheConfig:
     max_attention_window: tuple[int, ...] | None = None
     event_buffer_max_size: int = 0
     use_kv_cache_manager_v2: Literal["auto", "true", "false"] = "auto"
+    block_reuse_config: BlockReuseConfig = BlockReuseConfig()
+    mamba_state_config: MambaStateConfig = MambaStateConfig()
 
     def __post_init__(self) -> None:
         t = self.tokens_per_block
@@ -252,6 +340,23 @@ class KvCacheConfig:
             self.use_kv_cache_manager_v2 in ("auto", "true", "false"),
             f"use_kv_cache_manager_v2={v2!r} must be 'auto', 'true' or 'false'",
         )
+        reuse = _nested(BlockReuseConfig, self.block_reuse_config, "block_reuse_config")
+        mamba = _nested(MambaStateConfig, self.mamba_state_config, "mamba_state_config")
+        object.__setattr__(self, "block_reuse_config", reuse)
+        object.__setattr__(self, "mamba_state_config", mamba)
+        interval = mamba.periodic_snapshot_interval
+        _require(
+            interval % t == 0,
+            f"mamba_state_config.periodic_snapshot_interval={interval} must be a multiple of tokens_per_block={t}",
+        )
+        _require(
+            reuse.policy != "per_conversation"
+            or mamba.additional_snapshot_offsets_from_start
+            or mamba.additional_snapshot_offsets_from_end,
+            "block_reuse_config.policy='per_conversation' turns periodic snapshots off, so "
+            "mamba_state_config.additional_snapshot_offsets_from_end (usually [0]) or "
+            "additional_snapshot_offsets_from_start must name at least one boundary",
+        )
 
     def content_fields(self) -> dict[str, Any]:
         """The fields that decide what the cache holds, JSON-ready: every field but
@@ -260,6 +365,9 @@ class KvCacheConfig:
         del fields["disk_cache_dir"]
         if fields["max_attention_window"] is not None:
             fields["max_attention_window"] = list(fields["max_attention_window"])
+        mamba = fields["mamba_state_config"]
+        for name in ("additional_snapshot_offsets_from_start", "additional_snapshot_offsets_from_end"):
+            mamba[name] = list(mamba[name])
         return fields
 
     def windows_for(self, num_layers: int, max_seq_len: int) -> tuple[int, ...]:
