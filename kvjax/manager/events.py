@@ -29,6 +29,10 @@ class KVCacheEvent:
       tier: "device" or "host" after the change (where it was, for "removed").
       mm_ids: per multimodal item overlapping the block, the user's UUID where given, else
         the hex content hash.
+      state_snapshot: the event is about a recurrent-state snapshot of a hybrid model
+        (``kvjax.manager.state_snapshots``), not KV pages: ``block_key`` is the key of the
+        block its state ends at, ``group`` the state pool's (after the attention groups),
+        ``window`` 0.
     """
 
     event_id: int
@@ -41,6 +45,7 @@ class KVCacheEvent:
     priority: int | None = None
     tier: str | None = None
     mm_ids: tuple[str, ...] = ()
+    state_snapshot: bool = False
 
 
 class EventBuffer:
