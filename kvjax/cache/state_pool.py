@@ -1,0 +1,65 @@
+"""The recurrent state pool of hybrid models: fixed slots of per-sequence recurrent state.
+
+It sits beside the page pool. A slot holds one sequence's state of every recurrent layer:
+a running sequence owns a live slot, which each step reads and writes; a snapshot slot holds
+the state at a block boundary of a cached prefix, copied from a live slot while the sequence
+was computed (take) and copied back into a new sequence's live slot to resume it (restore).
+Which slot holds what is host bookkeeping (``kvjax.manager.state_snapshots``); the ops here
+are pure functions over the pool array.
+
+Shapes: R = recurrent layers, num_slots = slots (the null slot included), S = rows,
+H = heads, d = head_dim. The pool is [R, num_slots, H, d, d] float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.model.config import ModelConfig
+from kvjax.model.recurrent import state_shape
+
+NULL_SLOT = 0
+"""Slot 0 is never handed out: padding rows read and write it. Its contents are garbage by
+design and no sequence ever resumes from it."""
+
+
+def slot_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one slot: R * H * d * d float32."""
+    return len(cfg.recurrent_layers) * cfg.num_heads * cfg.head_dim * cfg.head_dim * 4
+
+
+def init_state_pool(cfg: ModelConfig, num_slots: int) -> jax.Array:
+    """A zeroed pool [R, num_slots, H, d, d] float32 of a hybrid model."""
+    if not cfg.is_hybrid:
+        raise ValueError(f"model {cfg.name!r} has no recurrent layer (layer_types={cfg.layer_types!r}); it needs no state pool")
+    if not isinstance(num_slots, int) or num_slots < 2:
+        raise ValueError(f"num_slots={num_slots!r} must be an int >= 2 (slot {NULL_SLOT} is the null slot)")
+    return jnp.zeros(state_shape(len(cfg.recurrent_layers), num_slots, cfg.num_heads, cfg.head_dim), jnp.float32)
+
+
+@jax.jit
+def read_slots(pool: jax.Array, slots: jax.Array) -> jax.Array:
+    """The states of ``slots`` [S] int32: [R, S, H, d, d]."""
+    return pool[:, slots]
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def write_slots(pool: jax.Array, slots: jax.Array, state: jax.Array) -> jax.Array:
+    """Writes ``state`` [R, S, H, d, d] into ``slots`` [S] (rows on ``NULL_SLOT`` are padding)."""
+    return pool.at[:, slots].set(state)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def copy_slots(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copies slot ``src[i]`` to ``dst[i]`` for each i ([n] int32; pairs NULL_SLOT -> NULL_SLOT
+    are padding). Taking a snapshot copies live -> snapshot, restoring snapshot -> live."""
+    return pool.at[:, dst].set(pool[:, src])
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def zero_slots(pool: jax.Array, slots: jax.Array) -> jax.Array:
+    """Resets ``slots`` [n] to the zero state of a sequence that has seen no token."""
+    return pool.at[:, slots].set(0.0)
