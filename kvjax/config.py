@@ -380,6 +380,10 @@ class KvCacheConfig:
         return _from_mapping(cls, mapping, "kv_cache_config")
 
 
+MAX_DECODE_STEPS_PER_DISPATCH = 1024
+"""Most decode steps one device dispatch runs (``SchedulerConfig.num_decode_steps_per_dispatch``)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Step scheduling.
@@ -390,12 +394,16 @@ class SchedulerConfig:
       max_num_tokens: token budget of one engine step (prefill chunks + decode tokens).
       max_batch_size: most sequences in one step.
       prefill_chunk_size: longest prefill chunk of one request in one step (tokens).
+      num_decode_steps_per_dispatch: with Manager V2, decode steps the engine runs in one
+        device dispatch when every running request is decoding (allocation, forward,
+        sampling, stop tokens and length limits on the device), in [1, 1024]; V1 ignores it.
     """
 
     enable_prefix_aware_scheduling: bool = True
     max_num_tokens: int = 2048
     max_batch_size: int = 8
     prefill_chunk_size: int = 1024
+    num_decode_steps_per_dispatch: int = 1
 
     def __post_init__(self) -> None:
         _require(
@@ -405,6 +413,11 @@ class SchedulerConfig:
         for name in ("max_num_tokens", "max_batch_size", "prefill_chunk_size"):
             value = getattr(self, name)
             _require(_is_int(value) and value > 0, f"{name}={value!r} must be a positive int")
+        n = self.num_decode_steps_per_dispatch
+        _require(
+            _is_int(n) and 1 <= n <= MAX_DECODE_STEPS_PER_DISPATCH,
+            f"num_decode_steps_per_dispatch={n!r} must be an int in [1, {MAX_DECODE_STEPS_PER_DISPATCH}]",
+        )
         _require(
             self.prefill_chunk_size <= self.max_num_tokens,
             f"prefill_chunk_size={self.prefill_chunk_size} must be <= max_num_tokens={self.max_num_tokens}",

@@ -34,6 +34,8 @@ class ModelConfig:
         "attention" or "recurrent" (gated linear attention, ``kvjax.model.recurrent``; its
         heads are ``num_heads`` of width ``head_dim``). None = every layer attends. A model
         with a recurrent layer is hybrid: its forward carries a per-sequence recurrent state.
+      prefers_kv_cache_manager_v2: the family's preference, followed by
+        ``KvCacheConfig.use_kv_cache_manager_v2="auto"`` (False = V1, the host manager).
     """
 
     name: str
@@ -58,6 +60,7 @@ class ModelConfig:
     bos_id: int = 1
     eos_ids: tuple[int, ...] = (2,)
     layer_types: tuple[str, ...] | None = None
+    prefers_kv_cache_manager_v2: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
