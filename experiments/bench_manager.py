@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import report
-from experiments.eviction import OP_KINDS, TraceRequest, make_manager, make_trace, replay
+from experiments.workloads.trace import OP_KINDS, TraceRequest, make_manager, make_trace, replay
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.manager import KVCacheManager, Scheduler, SchedulerRequest
 

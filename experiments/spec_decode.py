@@ -17,7 +17,9 @@ from tqdm import tqdm
 
 from configs import eviction as eviction_config
 from configs import prefix_reuse as prefix_reuse_config
-from experiments import eviction, prefix_reuse, report
+from experiments import report
+from experiments.workloads import chat as chat_workload
+from experiments.workloads import trace as eviction_trace
 from experiments.workloads.datasets import load_squad
 from kvjax.config import KvCacheConfig, SchedulerConfig, SpeculativeConfig
 from kvjax.engine import Engine
@@ -136,7 +138,7 @@ def prefix_reuse_hit_rates(model: Model, config: ml_collections.ConfigDict) -> l
     for method in config.ks:
         off = make_engine(model, config, None, **kv)
         on = make_engine(model, config, spec_config(config, method, config.hit_rates.k), **kv)
-        requests = prefix_reuse.one_pass(cfg, model, off, on, f"prefix reuse, {method}")
+        requests = chat_workload.one_pass(cfg, model, off, on, f"prefix reuse, {method}")
         for name, engine in (("off", off), (method, on)):
             stats = engine.manager.stats
             rows.append({
@@ -147,14 +149,14 @@ def prefix_reuse_hit_rates(model: Model, config: ml_collections.ConfigDict) -> l
     return rows
 
 
-def speculative_replay(mgr: KVCacheManager, trace: Sequence[eviction.TraceRequest], *, k: int, acceptance: float,
+def speculative_replay(mgr: KVCacheManager, trace: Sequence[eviction_trace.TraceRequest], *, k: int, acceptance: float,
                        concurrency: int, seed: int) -> KVCacheManager:
-    """``eviction.replay`` with speculative decodes: each decode step takes the input token's
+    """``experiments.workloads.trace.replay`` with speculative decodes: each decode step takes the input token's
     slot (``allocate``), up to k draft slots (``allocate_drafts``), commits the input token and
     the accepted drafts (each accepted with probability ``acceptance`` until the first
     rejection; the trace's output tokens are the verified tokens) and rolls back the rest."""
     rng = np.random.default_rng(seed)
-    active: dict[str, tuple[eviction.TraceRequest, int]] = {}
+    active: dict[str, tuple[eviction_trace.TraceRequest, int]] = {}
     pending = iter(enumerate(trace))
     while True:
         while len(active) < concurrency:
@@ -192,12 +194,12 @@ def eviction_hit_rates(config: ml_collections.ConfigDict) -> list[dict]:
     ev = eviction_config.get_config()
     sim = ml_collections.ConfigDict({**ev.to_dict(), **ev.trace.to_dict()})
     sim.num_requests = config.hit_rates.trace_requests
-    trace = eviction.make_trace(sim, sim.vocab_size)
+    trace = eviction_trace.make_trace(sim, sim.vocab_size)
     rows = []
     for host in sim.host_pages:
         for concurrency in config.hit_rates.concurrency:
-            plain = eviction.replay(eviction.make_manager(sim, host), trace, priorities=True, concurrency=concurrency)
-            spec = speculative_replay(eviction.make_manager(sim, host), trace, k=config.hit_rates.k,
+            plain = eviction_trace.replay(eviction_trace.make_manager(sim, host), trace, priorities=True, concurrency=concurrency)
+            spec = speculative_replay(eviction_trace.make_manager(sim, host), trace, k=config.hit_rates.k,
                                       acceptance=config.hit_rates.acceptance, concurrency=concurrency, seed=sim.seed)
             spec.check_consistency()
             rows.append({
@@ -215,7 +217,7 @@ def engine_eviction_hit_rates(model: Model, config: ml_collections.ConfigDict) -
     ev = eviction_config.get_config()
     trace_cfg = ml_collections.ConfigDict({**ev.trace.to_dict(), **ev.engine.trace.to_dict()})
     trace_cfg.num_requests = config.hit_rates.engine_requests
-    trace = eviction.make_trace(trace_cfg, model.config.vocab_size)
+    trace = eviction_trace.make_trace(trace_cfg, model.config.vocab_size)
     sampling = SamplingParams(max_new_tokens=config.hit_rates.engine_new_tokens, ignore_eos=True)
     kv = dict(tokens_per_block=ev.tokens_per_block, max_tokens=config.hit_rates.engine_max_tokens)
     rows, outputs = [], {}

@@ -45,12 +45,8 @@ import collections
 import dataclasses
 import itertools
 import logging
-import pathlib
-import shutil
-import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -59,8 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention
-from kvjax.cache import NULL_PAGE, CacheLayout, CacheSize, PagePool, QuantizedPages, choose_cache_size, init_pool, require_fits
-from kvjax.cache.pool import copy_pages, load_host_pages, read_pages, store_host_pages, write_pages
+from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, PagePool, init_pool
+from kvjax.cache.pool import copy_pages, read_pages, write_pages
 from kvjax.config import (
     ConfigError,
     KvCacheConfig,
@@ -236,36 +232,15 @@ class Engine:
         self.scheduler_config = scheduler_config
         self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
         self.attn_impl = attn_impl
-        if kv_cache_config.max_attention_window is not None:
-            windows = kv_cache_config.windows_for(cfg.num_layers, self.max_seq_len)
-        else:
-            windows = tuple(min(w, self.max_seq_len) for w in cfg.layer_windows)
-        dtype = str(model.params.embed.dtype) if kv_cache_config.dtype == "auto" else kv_cache_config.dtype
-        page = kv_cache_config.tokens_per_block
-        probe = CacheLayout(
-            layer_windows=windows, num_pages=(2,) * len(dict.fromkeys(windows)), page_size=page,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_seq_len=self.max_seq_len, dtype=dtype,
-            scale_granularity=kv_cache_config.scale_granularity,
+        self.layout, self.cache_size = CacheLayout.for_model(
+            kv_cache_config, model_windows=cfg.layer_windows, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            max_seq_len=self.max_seq_len, model_dtype=str(model.params.embed.dtype),
         )
-        self.cache_size: CacheSize = choose_cache_size(kv_cache_config, probe.bytes_per_token)
-        num_pages = probe.pages_for(self.cache_size.num_tokens) + 1
-        if num_pages - 1 < probe.pages_for(self.max_seq_len):
-            raise ValueError(
-                f"the cache holds {self.cache_size.num_tokens} tokens, fewer than max_seq_len={self.max_seq_len}; "
-                "raise kv_cache_config.max_tokens / free_gpu_memory_fraction or lower max_seq_len"
-            )
-        self.layout = dataclasses.replace(probe, num_pages=(num_pages,) * probe.num_groups)
-        bytes_per_page = [self.layout.bytes_per_page(g) for g in range(self.layout.num_groups)]
-        num_host_pages = kv_cache_config.host_cache_size // sum(bytes_per_page)
-        require_fits(kv_cache_config, self.cache_size, num_host_pages * sum(bytes_per_page))
-        num_disk_pages = kv_cache_config.disk_cache_size // sum(bytes_per_page) if num_host_pages else 0
-        self.manager = KVCacheManager(
-            kv_cache_config, layer_windows=windows, num_device_pages=num_pages, num_host_pages=num_host_pages,
-            num_disk_pages=num_disk_pages, max_seq_len=self.max_seq_len, bytes_per_page=bytes_per_page,
-        )
+        """The cache geometry (pages of every tier, page size, windows); the one owner of it."""
+        self.manager = KVCacheManager(kv_cache_config, self.layout)
         self.pool: PagePool = init_pool(self.layout)
-        self.host_pools = [self.layout.host_zeros(g, num_host_pages) for g in range(self.layout.num_groups)] if num_host_pages else []
-        self.disk_pools = self._disk_pools(kv_cache_config, num_disk_pages) if num_disk_pages else []
+        self.host_pool = HostPool(self.layout, kv_cache_config.disk_cache_dir)
+        """The host and disk tiers' pages (written only through its methods)."""
         self.scheduler = Scheduler(scheduler_config, self.manager)
         self.requests: dict[str, RequestRecord] = {}
         self.max_finished_requests = max_finished_requests
@@ -281,21 +256,6 @@ class Engine:
         """Cumulative seconds and token counts by phase (prefill / decode / page_ops). Speculative
         decodes add draft_s (drafting, within decode_s), spec_rows (sequence-steps verified),
         spec_drafted and spec_accepted (draft tokens proposed and accepted)."""
-
-    def _disk_pools(self, config: KvCacheConfig, num_disk_pages: int) -> list[np.ndarray | QuantizedPages]:
-        """One memory-mapped disk pool per layer group, in a folder removed with the engine."""
-        parent = pathlib.Path(config.disk_cache_dir or tempfile.gettempdir())
-        parent.mkdir(parents=True, exist_ok=True)
-        need = num_disk_pages * sum(self.layout.bytes_per_page(g) for g in range(self.layout.num_groups))
-        free = shutil.disk_usage(parent).free
-        if need > free:
-            raise ValueError(
-                f"kv_cache_config.disk_cache_size={config.disk_cache_size:,} needs {need:,} bytes in "
-                f"disk_cache_dir={str(parent)!r} but {free:,} are free; lower disk_cache_size or choose another folder"
-            )
-        folder = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-disk-", dir=parent))
-        weakref.finalize(self, shutil.rmtree, folder, ignore_errors=True)
-        return [self.layout.disk_pages(g, num_disk_pages, folder) for g in range(self.layout.num_groups)]
 
     def set_manager(self, manager: KVCacheManager) -> None:
         """Swaps in another manager (a restored snapshot); the engine must be idle."""
@@ -560,13 +520,12 @@ class Engine:
             self.pool = copy_pages(self.pool, self.layout, group, jnp.asarray(src), jnp.asarray(dst))
         elif kind == "offload":
             kv = jax.device_get(read_pages(self.pool, self.layout, group, jnp.asarray(src)))
-            store_host_pages(self.host_pools[group], dst[: len(ops)], kv)
+            self.host_pool.store("host", group, dst[: len(ops)], kv)
         elif kind == "spill":
-            kv = load_host_pages(self.host_pools[group], src[: len(ops)], n)
-            store_host_pages(self.disk_pools[group], dst[: len(ops)], kv)
+            kv = self.host_pool.load("host", group, src[: len(ops)], n)
+            self.host_pool.store("disk", group, dst[: len(ops)], kv)
         elif kind in ("onboard", "onboard_disk"):
-            tier = self.host_pools if kind == "onboard" else self.disk_pools
-            kv = load_host_pages(tier[group], src[: len(ops)], n)
+            kv = self.host_pool.load("host" if kind == "onboard" else "disk", group, src[: len(ops)], n)
             self.pool = write_pages(self.pool, self.layout, group, jnp.asarray(dst), kv)
         else:
             raise ValueError(f"page op kind={kind!r} must be 'copy', 'offload', 'spill', 'onboard' or 'onboard_disk'")

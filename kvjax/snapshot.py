@@ -36,7 +36,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import blake3
-import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -63,10 +62,8 @@ def _arrays(engine: Engine) -> dict[str, np.ndarray]:
     for i, (k, v) in enumerate(zip(engine.pool.k, engine.pool.v)):
         arrays |= _named(f"device_k_{i:03d}", f"device_k_scales_{i:03d}", k)
         arrays |= _named(f"device_v_{i:03d}", f"device_v_scales_{i:03d}", v)
-    for g, host in enumerate(engine.host_pools):
-        arrays |= _named(f"host_{g:03d}", f"host_scales_{g:03d}", host)
-    for g, disk in enumerate(engine.disk_pools):
-        arrays |= _named(f"disk_{g:03d}", f"disk_scales_{g:03d}", disk)
+    for tier, g, pages in engine.host_pool.pools():
+        arrays |= _named(f"{tier}_{g:03d}", f"{tier}_scales_{g:03d}", pages)
     return arrays
 
 
@@ -102,12 +99,12 @@ def _identity(engine: Engine) -> dict[str, Any]:
     """What must match between a snapshot and the engine restoring it."""
     kv = engine.kv_config.content_fields()
     layout = dataclasses.asdict(engine.layout)
+    num_pages = {name: layout.pop(name) for name in ("num_host_pages", "num_disk_pages")}
     return {
         "model": {"name": engine.model.config.name, "weights_digest": engine.model.weights_digest},
         "kv_cache_config": kv,
         "layout": {k: list(v) if isinstance(v, tuple) else v for k, v in layout.items()},
-        "num_host_pages": engine.manager.num_host_pages,
-        "num_disk_pages": engine.manager.num_disk_pages,
+        **num_pages,
     }
 
 
@@ -289,13 +286,7 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
     if _arrays_digest(arrays) != document["arrays_blake3"]:
         raise SnapshotError(f"{where} is damaged: its arrays do not match the stored BLAKE3 digest")
     try:
-        manager = KVCacheManager.from_state_dict(
-            document["manager_state"], engine.kv_config,
-            layer_windows=engine.manager.layer_windows, num_device_pages=engine.manager.num_device_pages,
-            num_host_pages=engine.manager.num_host_pages, num_disk_pages=engine.manager.num_disk_pages,
-            max_seq_len=engine.manager.max_seq_len,
-            bytes_per_page=engine.manager.bytes_per_page,
-        )
+        manager = KVCacheManager.from_state_dict(document["manager_state"], engine.kv_config, engine.layout)
     except SnapshotError as err:
         raise SnapshotError(f"{where}: {err}") from err
     num_layers = engine.layout.num_layers
@@ -303,12 +294,7 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
         k=tuple(_pages(arrays, f"device_k_{i:03d}", f"device_k_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
         v=tuple(_pages(arrays, f"device_v_{i:03d}", f"device_v_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
     )
-    engine.host_pools = [
-        _pages(arrays, f"host_{g:03d}", f"host_scales_{g:03d}", np.copy) for g in range(len(engine.host_pools))
-    ]
-    for g, disk in enumerate(engine.disk_pools):  # written into the engine's own page files
-        saved = _pages(arrays, f"disk_{g:03d}", f"disk_scales_{g:03d}", np.asarray)
-        for mapped, values in zip(jax.tree.leaves(disk), jax.tree.leaves(saved)):
-            mapped[...] = values
+    for tier, g, _ in list(engine.host_pool.pools()):  # copied into the pool's own arrays and page files
+        engine.host_pool.restore(tier, g, _pages(arrays, f"{tier}_{g:03d}", f"{tier}_scales_{g:03d}", np.asarray))
     engine.set_manager(manager)
     return step

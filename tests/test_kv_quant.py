@@ -221,7 +221,7 @@ def test_smollm2_quantized_snapshot_and_host_tier_round_trip_exactly(smollm2, lo
     save_snapshot(engine, tmp_path)
     restored = make()
     restore_snapshot(restored, tmp_path)
-    for a, b in zip(jax.tree.leaves((engine.pool, engine.host_pools)), jax.tree.leaves((restored.pool, restored.host_pools))):
+    for a, b in zip(jax.tree.leaves((engine.pool, engine.host_pool.host)), jax.tree.leaves((restored.pool, restored.host_pool.host))):
         assert a.dtype == b.dtype and a.dtype in (jnp.int8, jnp.float32)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     query = prompts[0] + [30, 31]

@@ -37,7 +37,7 @@ def make_engine(model: Model) -> Engine:
 
 
 def cache_arrays(engine: Engine) -> list[np.ndarray]:
-    return [np.asarray(a) for a in (*engine.pool.k, *engine.pool.v)] + [np.asarray(h) for h in engine.host_pools]
+    return [np.asarray(a) for a in (*engine.pool.k, *engine.pool.v)] + [np.asarray(h) for h in engine.host_pool.host]
 
 
 def assert_same_cache(engine: Engine, state: dict, arrays: list[np.ndarray], context: str = "") -> None:

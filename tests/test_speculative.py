@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache import init_pool
+from kvjax.cache import CacheLayout, init_pool
 from kvjax.cache.pool import read_pages
 from kvjax.config import ConfigError, KvCacheConfig, SchedulerConfig, SpeculativeConfig
 from kvjax.engine import Engine
@@ -178,8 +178,8 @@ def test_rejection_sampling_emits_the_target_distribution(tiny_distributions, dr
 
 
 def test_draft_slots_come_from_free_pages_only_and_roll_back():
-    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, event_buffer_max_size=100), layer_windows=(64,),
-                         num_device_pages=5, max_seq_len=64)
+    layout = CacheLayout(layer_windows=(64,), num_pages=(5,), page_size=4, num_kv_heads=1, head_dim=1, max_seq_len=64)
+    mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, event_buffer_max_size=100), layout)
     mgr.add_request("old", list(range(1, 9)))
     mgr.allocate("old", 8)
     mgr.commit_tokens("old", list(range(1, 9)))
@@ -225,7 +225,7 @@ def test_greedy_outputs_tree_and_events_equal_non_speculative(model, prompts, gr
     assert sorted(stored_blocks(engine)) == sorted(stored)  # no block of rejected drafts, none missing
     assert engine.manager.stats.reused_blocks == stats.reused_blocks
     engine.manager.check_consistency()
-    assert all(engine.manager.num_free_pages(g) == engine.manager.num_device_pages - 1 for g in range(1))
+    assert all(engine.manager.num_free_pages(g) == engine.layout.num_pages[g] - 1 for g in range(1))
 
 
 def test_early_exit_kv_in_cached_blocks_is_the_full_models(model, prompts):

@@ -1,4 +1,5 @@
-"""Device side of the paged KV cache: layout, page pool pytree, pure page ops, quantized pages, sizing."""
+"""The paged KV cache's pages: layout (the geometry), device page pool pytree and its pure page ops,
+the host and disk tiers (``HostPool``), quantized pages, sizing."""
 
 from kvjax.cache.layout import NULL_PAGE, CacheLayout
 from kvjax.cache.pool import (
@@ -6,14 +7,13 @@ from kvjax.cache.pool import (
     Pages,
     copy_pages,
     init_pool,
-    load_host_pages,
     read_pages,
     read_slots,
     slot_mapping,
-    store_host_pages,
     write_layer,
     write_pages,
 )
+from kvjax.cache.host_pool import HostPages, HostPool, load_host_pages, store_host_pages
 from kvjax.cache.quant import QUANTIZED_DTYPES, SCALE_GRANULARITIES, QuantizedPages, dequantize_pages
 from kvjax.cache.sizing import CacheSize, choose_cache_size, free_device_memory, require_fits
 
@@ -21,6 +21,8 @@ __all__ = [
     "NULL_PAGE",
     "CacheLayout",
     "CacheSize",
+    "HostPages",
+    "HostPool",
     "PagePool",
     "Pages",
     "QUANTIZED_DTYPES",

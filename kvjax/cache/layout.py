@@ -4,8 +4,11 @@ Glossary (used in shape comments across ``kvjax.cache`` and the model):
   num_layers      decoder layers
   num_groups      layer groups; one per distinct attention window, each with its own pool
   group_layers    layers in one group
-  num_pages       pages in one group's pool (the null page included)
-  page_size       tokens per page (= tokens_per_block)
+  num_pages       pages in one group's device pool (the null page included)
+  num_host_pages  pages in one group's host pool (ids from 0; 0 = no host tier)
+  num_disk_pages  pages in one group's disk pool (ids from 0; 0 = no disk tier)
+  page_size       tokens per page: ``KvCacheConfig.tokens_per_block``, read only by
+                  ``CacheLayout.for_model``; everything after it reads ``layout.page_size``
   num_kv_heads    KV heads (MHA = query heads, GQA fewer, MQA 1)
   head_dim        per-head width
   max_seqs        sequences in a batch
@@ -17,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.quant import KV_STORAGE_DTYPES, QUANTIZED_DTYPES, SCALE_DTYPE, SCALE_GRANULARITIES, QuantizedPages
+from kvjax.cache.sizing import CacheSize, choose_cache_size, require_fits
+from kvjax.config import KvCacheConfig
 
 NULL_PAGE = 0
 """Page 0 of every pool is never handed out: block tables point padding and released
@@ -32,18 +38,23 @@ by design and every read of it is masked by length or window."""
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Hashable static description of the page pools (a jit static argument).
+    """The cache geometry: hashable static description of the page pools of every tier (a jit
+    static argument), built once per engine (``for_model``) and read by the engine, the
+    manager, snapshots and experiments.
 
     Attributes:
-      layer_windows: attention window of each layer (full layers carry max_seq_len).
-      num_pages: pages per group pool, in group order (null page included).
-      page_size: tokens per page.
+      layer_windows: attention window of each layer in tokens, <= max_seq_len (full layers
+        carry max_seq_len).
+      num_pages: device pages per group pool, in group order (null page included).
+      page_size: tokens per page (``KvCacheConfig.tokens_per_block``).
       num_kv_heads, head_dim: KV geometry.
       max_seq_len: longest sequence; a window >= max_seq_len means full attention.
       dtype: KV dtype name: "float32", "bfloat16", "float16", or the quantized "int8" /
         "fp8" (float8_e4m3fn values plus float32 scales, see ``kvjax.cache.quant``).
       scale_granularity: scales of a quantized dtype, "token" (per token and KV head) or
         "page" (per page and KV head); ignored by the float dtypes.
+      num_host_pages: host-tier pages per group (0 = no offload).
+      num_disk_pages: disk-tier pages per group (0 = no disk tier; needs a host tier).
     """
 
     layer_windows: tuple[int, ...]
@@ -54,8 +65,28 @@ class CacheLayout:
     max_seq_len: int
     dtype: str = "float32"
     scale_granularity: str = "token"
+    num_host_pages: int = 0
+    num_disk_pages: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive int (tokens)")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size!r} must be a positive int (tokens per page)")
+        windows = self.layer_windows
+        if not windows or not all(isinstance(w, int) and 0 < w <= self.max_seq_len for w in windows):
+            raise ValueError(
+                f"layer_windows={windows!r} must be a non-empty tuple of ints in [1, max_seq_len={self.max_seq_len}]"
+            )
+        for field in ("num_host_pages", "num_disk_pages"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field}={value!r} must be an int >= 0")
+        if self.num_disk_pages and not self.num_host_pages:
+            raise ValueError(
+                f"num_disk_pages={self.num_disk_pages} needs a host tier (num_host_pages=0): blocks reach the disk "
+                "tier only from the host tier"
+            )
         if self.dtype not in KV_STORAGE_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {tuple(KV_STORAGE_DTYPES)}")
         if self.scale_granularity not in SCALE_GRANULARITIES:
@@ -65,8 +96,63 @@ class CacheLayout:
                 f"num_pages has {len(self.num_pages)} entries but the windows {self.group_windows} "
                 f"define {self.num_groups} layer groups"
             )
-        if any(n < 2 for n in self.num_pages):
+        if not all(isinstance(n, int) and n >= 2 for n in self.num_pages):
             raise ValueError(f"num_pages={self.num_pages} must be >= 2 per group (page {NULL_PAGE} is the null page)")
+
+    @classmethod
+    def for_model(
+        cls,
+        kv_config: KvCacheConfig,
+        *,
+        model_windows: Sequence[int],
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        model_dtype: str,
+    ) -> tuple[CacheLayout, CacheSize]:
+        """The geometry of a model's cache under ``kv_config``, and how its size was chosen.
+
+        The one place where the config's sizes become pages: ``tokens_per_block`` is the page
+        size; the device pools get the tokens ``choose_cache_size`` allows (every group the
+        same page count, the null page added); ``host_cache_size`` and ``disk_cache_size``
+        (bytes) become whole pages of every group (``bytes_per_block`` each). Windows are the
+        config's ``max_attention_window`` cycled over the layers, else the model's, capped at
+        ``max_seq_len``.
+
+        Args:
+          model_windows: the model's attention window per layer, tokens.
+          num_kv_heads, head_dim: the model's KV geometry.
+          max_seq_len: longest prompt + generation, tokens.
+          model_dtype: dtype name of the model's weights (the KV dtype for ``dtype="auto"``).
+
+        Raises:
+          ValueError: the cache holds fewer tokens than ``max_seq_len``.
+          ConfigError: the device cache or host tier does not fit the memory there is.
+        """
+        if kv_config.max_attention_window is not None:
+            windows = kv_config.windows_for(len(model_windows), max_seq_len)
+        else:
+            windows = tuple(min(w, max_seq_len) for w in model_windows)
+        probe = cls(
+            layer_windows=windows, num_pages=(2,) * len(dict.fromkeys(windows)), page_size=kv_config.tokens_per_block,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, max_seq_len=max_seq_len,
+            dtype=model_dtype if kv_config.dtype == "auto" else kv_config.dtype,
+            scale_granularity=kv_config.scale_granularity,
+        )
+        size = choose_cache_size(kv_config, probe.bytes_per_token)
+        num_pages = probe.pages_for(size.num_tokens) + 1
+        if num_pages - 1 < probe.pages_for(max_seq_len):
+            raise ValueError(
+                f"the cache holds {size.num_tokens} tokens, fewer than max_seq_len={max_seq_len}; "
+                "raise kv_cache_config.max_tokens / free_gpu_memory_fraction or lower max_seq_len"
+            )
+        num_host_pages = kv_config.host_cache_size // probe.bytes_per_block
+        require_fits(kv_config, size, num_host_pages * probe.bytes_per_block)
+        num_disk_pages = kv_config.disk_cache_size // probe.bytes_per_block if num_host_pages else 0
+        layout = dataclasses.replace(
+            probe, num_pages=(num_pages,) * probe.num_groups, num_host_pages=num_host_pages, num_disk_pages=num_disk_pages
+        )
+        return layout, size
 
     @property
     def num_layers(self) -> int:
@@ -123,6 +209,11 @@ class CacheLayout:
     def bytes_per_page(self, group: int) -> int:
         """K and V bytes (scales included) of one page of ``group`` (all layers of the group)."""
         return self.bytes_per_page_layer * self.group_layers[group]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V bytes (scales included) of one block in every group: one page per group."""
+        return sum(self.bytes_per_page(g) for g in range(self.num_groups))
 
     def pool_bytes(self) -> int:
         return sum(self.bytes_per_page(g) * n for g, n in enumerate(self.num_pages))

@@ -15,7 +15,6 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.cache.layout import NULL_PAGE, CacheLayout
 from kvjax.cache.quant import QuantizedPages, init_quantized, write_quantized
@@ -142,21 +141,3 @@ def write_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.A
         k[layer] = jax.tree.map(lambda a, new: a.at[page_ids].set(new[0, n].astype(a.dtype)), k[layer], kv)
         v[layer] = jax.tree.map(lambda a, new: a.at[page_ids].set(new[1, n].astype(a.dtype)), v[layer], kv)
     return PagePool(k=tuple(k), v=tuple(v))
-
-
-def store_host_pages(host: np.ndarray | QuantizedPages, slots: np.ndarray, kv: np.ndarray | QuantizedPages) -> None:
-    """Writes the first ``len(slots)`` pages of ``kv`` (``read_pages`` output, on the host) into
-    host pool slots ``slots``, in place (values and scales alike)."""
-    for h, a in zip(jax.tree.leaves(host), jax.tree.leaves(kv)):
-        h[:, :, slots] = a[:, :, : len(slots)]
-
-
-def load_host_pages(host: np.ndarray | QuantizedPages, slots: np.ndarray, num_pages: int) -> np.ndarray | QuantizedPages:
-    """Host pool slots ``slots`` as ``write_pages`` input, zero-padded to ``num_pages`` pages."""
-
-    def take(h: np.ndarray) -> np.ndarray:
-        out = np.zeros((*h.shape[:2], num_pages, *h.shape[3:]), h.dtype)
-        out[:, :, : len(slots)] = h[:, :, slots]
-        return out
-
-    return jax.tree.map(take, host)

@@ -7,10 +7,9 @@ from kvjax.manager.manager import KVCacheManager, OutOfPagesError
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest, StepPlan
 from kvjax.manager.state import ConsistencyError, SnapshotError
 from kvjax.manager.stats import CacheStats, RequestStats
-from kvjax.manager.tiers import NULL_PAGE, PageOp
+from kvjax.manager.tiers import PageOp
 
 __all__ = [
-    "NULL_PAGE",
     "CacheStats",
     "ConsistencyError",
     "InternalScope",

@@ -45,7 +45,7 @@ class BlockPool:
       num_device_pages: device pool size, the null page included.
       num_host_pages: host pool size (0 = no offload).
       num_disk_pages: disk pool size (0 = host victims are dropped); needs a host tier.
-      tokens_per_block: page size in tokens.
+      page_size: tokens per page (the layout's ``page_size``).
       offload_min_priority: ``secondary_offload_min_priority``.
       bytes_per_page: bytes moved by one page operation (0 = not counted).
       ops, events, stats: shared with the manager (page-op queue, event buffer, counters).
@@ -60,7 +60,7 @@ class BlockPool:
         num_device_pages: int,
         num_host_pages: int,
         num_disk_pages: int = 0,
-        tokens_per_block: int,
+        page_size: int,
         offload_min_priority: int,
         bytes_per_page: int,
         ops: list[PageOp],
@@ -73,7 +73,7 @@ class BlockPool:
         self.num_device_pages = num_device_pages
         self.num_host_pages = num_host_pages
         self.num_disk_pages = num_disk_pages
-        self.tokens_per_block = tokens_per_block
+        self.page_size = page_size
         self.offload_min_priority = offload_min_priority
         self.bytes_per_page = bytes_per_page
         self.ops = ops
@@ -243,7 +243,7 @@ class BlockPool:
         if disk_page is None:
             self._drop(victim)
             return
-        self.ops.append(PageOp("spill", self.group, victim.page, disk_page, self.tokens_per_block))
+        self.ops.append(PageOp("spill", self.group, victim.page, disk_page, self.page_size))
         self.stats.spilled_pages += 1
         self.stats.spilled_bytes += self.bytes_per_page
         self.host_free.append(victim.page)
@@ -267,7 +267,7 @@ class BlockPool:
         if host_page is None:
             self._drop(victim)
             return
-        self.ops.append(PageOp("offload", self.group, victim.page, host_page, self.tokens_per_block))
+        self.ops.append(PageOp("offload", self.group, victim.page, host_page, self.page_size))
         self.stats.offloaded_pages += 1
         self.stats.offloaded_bytes += self.bytes_per_page
         self.device_free.append(victim.page)
@@ -321,7 +321,7 @@ class BlockPool:
         self._unqueue(block)
         page = self.take_device_page()
         kind = "onboard" if block.tier is Tier.HOST else "onboard_disk"
-        self.ops.append(PageOp(kind, self.group, block.page, page, self.tokens_per_block))
+        self.ops.append(PageOp(kind, self.group, block.page, page, self.page_size))
         self._count_onboard(block.tier)
         self._free_pages(block.tier).append(block.page)
         block.tier, block.page = Tier.DEVICE, page

@@ -24,6 +24,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
+from kvjax.cache import NULL_PAGE, CacheLayout
 from kvjax.config import DEFAULT_PRIORITY, KvCacheConfig, KvCacheRetentionConfig, as_retention_config
 from kvjax.manager import state
 from kvjax.manager.block_pool import BlockPool
@@ -43,7 +44,7 @@ from kvjax.manager.hashing import (
 from kvjax.manager.radix_tree import Block
 from kvjax.manager.retention import block_priority
 from kvjax.manager.stats import CacheStats, RequestStats
-from kvjax.manager.tiers import NULL_PAGE, PageOp, Tier
+from kvjax.manager.tiers import PageOp, Tier
 
 
 _PROMPT_MEMO_SIZE = 256
@@ -109,74 +110,32 @@ class KVCacheManager:
     """Paged KV cache bookkeeping with radix-tree reuse, priority-LRU eviction and host / disk offload.
 
     Args:
-      config: the cache configuration (reuse, partial reuse, offload threshold, events, ...).
-      layer_windows: attention window of every layer in tokens (``config.windows_for``);
-        a window >= max_seq_len is full attention.
-      num_device_pages: pages per layer-group device pool, ``NULL_PAGE`` included.
-      num_host_pages: pages per layer-group host pool (0 = no offload).
-      num_disk_pages: pages per layer-group disk pool (0 = no disk tier; needs a host tier).
-      max_seq_len: longest sequence (prompt + generated) in tokens.
-      bytes_per_page: bytes of one page per group (one int for all groups); only counted.
+      config: the cache policy (reuse, partial reuse, offload threshold, events, ...).
+      layout: the cache geometry (``CacheLayout.for_model``): layer windows, device pages per
+        group (``NULL_PAGE`` included), host and disk pages per group, ``max_seq_len``, the
+        page size and the bytes of a page of each group (only counted). Its ``page_size``
+        must equal ``config.tokens_per_block``.
       clock: seconds, monotonic; drives retention durations (inject a fake one in tests).
     """
 
     def __init__(
         self,
         config: KvCacheConfig,
+        layout: CacheLayout,
         *,
-        layer_windows: Sequence[int],
-        num_device_pages: int,
-        num_host_pages: int = 0,
-        num_disk_pages: int = 0,
-        max_seq_len: int,
-        bytes_per_page: int | Sequence[int] = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(config, KvCacheConfig):
             raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
-        if not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive int (tokens)")
-        windows = tuple(layer_windows)
-        if not windows or not all(isinstance(w, int) and w > 0 for w in windows):
-            raise ValueError(f"layer_windows={windows!r} must be a non-empty sequence of positive ints (tokens)")
-        if not isinstance(num_device_pages, int) or num_device_pages < 2:
+        if not isinstance(layout, CacheLayout):
+            raise TypeError(f"layout must be a CacheLayout, got {type(layout).__name__}")
+        if layout.page_size != config.tokens_per_block:
             raise ValueError(
-                f"num_device_pages={num_device_pages!r} must be an int >= 2 (page {NULL_PAGE} is the null page)"
-            )
-        if not isinstance(num_host_pages, int) or num_host_pages < 0:
-            raise ValueError(f"num_host_pages={num_host_pages!r} must be an int >= 0")
-        if num_host_pages and not config.host_cache_size:
-            raise ValueError(
-                f"num_host_pages={num_host_pages} but config.host_cache_size=0 disables offload; "
-                "derive num_host_pages from host_cache_size"
-            )
-        if not isinstance(num_disk_pages, int) or num_disk_pages < 0:
-            raise ValueError(f"num_disk_pages={num_disk_pages!r} must be an int >= 0")
-        if num_disk_pages and not (config.disk_cache_size and num_host_pages):
-            raise ValueError(
-                f"num_disk_pages={num_disk_pages} needs config.disk_cache_size > 0 and a host tier "
-                f"(num_host_pages={num_host_pages}); blocks reach the disk tier only from the host tier"
+                f"layout.page_size={layout.page_size} must equal config.tokens_per_block={config.tokens_per_block}; "
+                "build the layout from this config (CacheLayout.for_model)"
             )
         self.config = config
-        self.layer_windows = windows
-        self.max_seq_len = max_seq_len
-        self.num_device_pages = num_device_pages
-        self.num_host_pages = num_host_pages
-        self.num_disk_pages = num_disk_pages
-        self.page_size = config.tokens_per_block
-        self.group_windows: tuple[int, ...] = tuple(dict.fromkeys(min(w, max_seq_len) for w in windows))
-        """Distinct windows in order of first appearance; group g holds the layers of window g."""
-        self.layer_groups: tuple[int, ...] = tuple(self.group_windows.index(min(w, max_seq_len)) for w in windows)
-        """Group of every layer."""
-        per_group = (
-            (bytes_per_page,) * len(self.group_windows) if isinstance(bytes_per_page, int) else tuple(bytes_per_page)
-        )
-        if len(per_group) != len(self.group_windows) or not all(isinstance(b, int) and b >= 0 for b in per_group):
-            raise ValueError(
-                f"bytes_per_page={bytes_per_page!r} must be an int >= 0 or one per group "
-                f"({len(self.group_windows)} groups)"
-            )
-        self.bytes_per_page = per_group
+        self.layout = layout
         self.clock = clock
         self._ops: list[PageOp] = []
         self._events = EventBuffer(config.event_buffer_max_size)
@@ -190,13 +149,13 @@ class KVCacheManager:
             BlockPool(
                 group=g,
                 window=w,
-                tree_rule=w >= max_seq_len,
-                num_device_pages=num_device_pages,
-                num_host_pages=num_host_pages,
-                num_disk_pages=num_disk_pages,
-                tokens_per_block=self.page_size,
+                tree_rule=w >= layout.max_seq_len,
+                num_device_pages=layout.num_pages[g],
+                num_host_pages=layout.num_host_pages,
+                num_disk_pages=layout.num_disk_pages,
+                page_size=layout.page_size,
                 offload_min_priority=config.secondary_offload_min_priority,
-                bytes_per_page=per_group[g],
+                bytes_per_page=layout.bytes_per_page(g),
                 ops=self._ops,
                 events=self._events,
                 stats=self._stats,
@@ -205,6 +164,34 @@ class KVCacheManager:
         )
         self._windowed = tuple(g for g, pool in enumerate(self.pools) if not pool.tree_rule)
         """Groups that release blocks outside their window as sequences grow."""
+
+    # ================================================================== geometry (read from the layout)
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page and block."""
+        return self.layout.page_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.layout.max_seq_len
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        return self.layout.layer_windows
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        """Distinct windows in order of first appearance; group g holds the layers of window g."""
+        return self.layout.group_windows
+
+    @property
+    def num_host_pages(self) -> int:
+        return self.layout.num_host_pages
+
+    @property
+    def num_disk_pages(self) -> int:
+        return self.layout.num_disk_pages
 
     # ================================================================== queries
 
@@ -363,7 +350,7 @@ class KVCacheManager:
                 raise OutOfPagesError(
                     f"request {request_id!r} needs {need} more page(s) in layer group {pool.group} "
                     f"(window {pool.window}) for num_total_tokens={num_total_tokens}, but only "
-                    f"{pool.num_available()} of {self.num_device_pages - 1} are free or evictable; "
+                    f"{pool.num_available()} of {pool.num_device_pages - 1} are free or evictable; "
                     "free or preempt a request, or give the cache more pages"
                 )
         self._expire()
@@ -497,13 +484,8 @@ class KVCacheManager:
         cls,
         state_dict: dict,
         config: KvCacheConfig,
+        layout: CacheLayout,
         *,
-        layer_windows: Sequence[int],
-        num_device_pages: int,
-        num_host_pages: int = 0,
-        num_disk_pages: int = 0,
-        max_seq_len: int,
-        bytes_per_page: int | Sequence[int] = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> KVCacheManager:
         """A manager restored from ``state_dict()``.
@@ -511,17 +493,10 @@ class KVCacheManager:
         Raises:
           SnapshotError: wrong format version, a different config or layout, or damaged contents.
         """
-        return state.load_state(
-            state_dict,
-            config,
-            layer_windows=layer_windows,
-            num_device_pages=num_device_pages,
-            num_host_pages=num_host_pages,
-            num_disk_pages=num_disk_pages,
-            max_seq_len=max_seq_len,
-            bytes_per_page=bytes_per_page,
-            clock=clock,
-        )
+        state.check_header(state_dict)
+        mgr = cls(config, layout, clock=clock)
+        state.restore(mgr, state_dict, _Sequence)
+        return mgr
 
     def check_consistency(self) -> None:
         """Raises ConsistencyError if any bookkeeping invariant is broken (O(cache size))."""

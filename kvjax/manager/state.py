@@ -2,18 +2,22 @@
 
 ``state_dict`` returns JSON-compatible Python (dicts, lists, str, int, float, bool, None):
 keys and digests as hex strings, retention expiries as seconds *remaining* (the clock is
-process-local). ``load_state`` rebuilds a manager from it and refuses a snapshot whose format
-version, configuration or layout differ, or whose contents break an invariant, with an error
-naming what is wrong. ``check_consistency`` is the invariant check shared by restore and tests.
+process-local). ``check_header`` and ``restore`` (called by ``KVCacheManager.from_state_dict``,
+which builds the manager they fill) refuse a snapshot whose format version, configuration or
+layout differ, or whose contents break an invariant, with an error naming what is wrong.
+``check_consistency`` is the invariant check shared by restore and tests.
+
+This module reads the manager's fields but never imports ``kvjax.manager.manager`` at run
+time (the manager imports it): the manager's type is named for annotations only, and the
+sequence record's class is passed in.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
+from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import HashedItem, InternalScope
 from kvjax.manager.radix_tree import Block
@@ -23,7 +27,8 @@ from kvjax.manager.tiers import PageOp, Tier
 if TYPE_CHECKING:
     from kvjax.manager.manager import KVCacheManager
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""3: the layout holds device pages and bytes per page of every group."""
 
 
 class SnapshotError(ValueError):
@@ -35,13 +40,15 @@ class ConsistencyError(RuntimeError):
 
 
 def _layout(mgr: KVCacheManager) -> dict[str, Any]:
+    """The manager's part of its layout: what its bookkeeping depends on."""
+    layout = mgr.layout
     return {
-        "layer_windows": list(mgr.layer_windows),
-        "num_device_pages": mgr.num_device_pages,
-        "num_host_pages": mgr.num_host_pages,
-        "num_disk_pages": mgr.num_disk_pages,
-        "max_seq_len": mgr.max_seq_len,
-        "bytes_per_page": list(mgr.bytes_per_page),
+        "layer_windows": list(layout.layer_windows),
+        "num_device_pages": list(layout.num_pages),
+        "num_host_pages": layout.num_host_pages,
+        "num_disk_pages": layout.num_disk_pages,
+        "max_seq_len": layout.max_seq_len,
+        "bytes_per_page": [layout.bytes_per_page(g) for g in range(layout.num_groups)],
     }
 
 
@@ -150,56 +157,38 @@ def _unhex(key: str | None) -> bytes | None:
     return None if key is None else bytes.fromhex(key)
 
 
-def load_state(
-    state: dict[str, Any],
-    config: KvCacheConfig,
-    *,
-    layer_windows: Sequence[int],
-    num_device_pages: int,
-    num_host_pages: int = 0,
-    num_disk_pages: int = 0,
-    max_seq_len: int,
-    bytes_per_page: int | Sequence[int] = 0,
-    clock: Callable[[], float],
-) -> KVCacheManager:
-    """Rebuilds a manager from ``state_dict`` output (see ``KVCacheManager.from_state_dict``)."""
-    from kvjax.manager.manager import KVCacheManager, _Sequence
-
+def check_header(state: dict[str, Any]) -> None:
+    """Refuses what is not a manager state dict of this format version."""
     if not isinstance(state, dict) or "format_version" not in state:
         raise SnapshotError("snapshot is not a KVCacheManager state dict (no 'format_version')")
     if state["format_version"] != FORMAT_VERSION:
         raise SnapshotError(
             f"snapshot format_version={state['format_version']!r}, this kvjax reads version {FORMAT_VERSION}"
         )
-    mgr = KVCacheManager(
-        config,
-        layer_windows=layer_windows,
-        num_device_pages=num_device_pages,
-        num_host_pages=num_host_pages,
-        num_disk_pages=num_disk_pages,
-        max_seq_len=max_seq_len,
-        bytes_per_page=bytes_per_page,
-        clock=clock,
-    )
-    want = config.content_fields()
+
+
+def restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> None:
+    """Fills a new, empty manager from ``state_dict`` output (see ``KVCacheManager.from_state_dict``);
+    ``sequence_cls`` is the manager's per-request record."""
+    check_header(state)
+    want = mgr.config.content_fields()
     got = state.get("config")
     if got != want:
         diff = sorted(k for k in set(want) | set(got or {}) if (got or {}).get(k) != want.get(k))
         raise SnapshotError(
-            f"snapshot was taken with a different KvCacheConfig; differing fields: "
+            "snapshot was taken with a different KvCacheConfig; differing fields: "
             + ", ".join(f"{k} (snapshot {(got or {}).get(k)!r}, now {want.get(k)!r})" for k in diff)
         )
     if state.get("layout") != _layout(mgr):
         raise SnapshotError(f"snapshot layout {state.get('layout')!r} differs from this manager's {_layout(mgr)!r}")
     try:
-        _restore(mgr, state, _Sequence)
+        _restore(mgr, state, sequence_cls)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
         raise SnapshotError(f"snapshot is damaged: {type(err).__name__}: {err}") from err
     try:
         check_consistency(mgr)
     except ConsistencyError as err:
         raise SnapshotError(f"snapshot is damaged: {err}") from err
-    return mgr
 
 
 def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> None:
@@ -390,4 +379,4 @@ def check_consistency(mgr: KVCacheManager) -> None:
             fail(f"{seq.request_id!r}: reused {seq.stats.reused_tokens} of {seq.stats.prompt_tokens} prompt tokens")
 
 
-__all__ = ["FORMAT_VERSION", "ConsistencyError", "SnapshotError", "check_consistency", "load_state", "state_dict"]
+__all__ = ["FORMAT_VERSION", "ConsistencyError", "SnapshotError", "check_consistency", "check_header", "restore", "state_dict"]

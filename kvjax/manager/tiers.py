@@ -1,7 +1,7 @@
 """Memory tiers and the page operations that move blocks between them.
 
-Pages live in per-group pools: the device pool (``num_device_pages`` pages, page
-``NULL_PAGE`` never handed out), the host pool (``num_host_pages`` pages, ids from 0) and
+Pages live in per-group pools: the device pool (``num_pages`` pages, page
+``kvjax.cache.NULL_PAGE`` never handed out), the host pool (``num_host_pages`` pages, ids from 0) and
 the disk pool (``num_disk_pages`` pages, ids from 0, a file the engine maps into memory).
 The manager never touches KV values: it queues :class:`PageOp` records that the engine
 executes, in order, before the next forward pass.
@@ -21,9 +21,7 @@ from __future__ import annotations
 import enum
 from typing import Literal, NamedTuple
 
-from kvjax.cache.layout import NULL_PAGE
-
-__all__ = ["NULL_PAGE", "PageOp", "Tier", "should_offload"]
+__all__ = ["PageOp", "Tier", "should_offload"]
 
 
 class Tier(enum.IntEnum):
@@ -47,7 +45,7 @@ class PageOp(NamedTuple):
         device page dst) or "copy" (device page src -> device page dst).
       group: layer group whose pools the pages belong to.
       src, dst: page ids in the source and destination pools.
-      num_tokens: leading tokens of the page to move; tokens_per_block for whole pages,
+      num_tokens: leading tokens of the page to move; the page size for whole pages,
         fewer for the copy of a partially reused block.
     """
 

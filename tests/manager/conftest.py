@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from kvjax.cache import CacheLayout
 from kvjax.config import KvCacheConfig
 from kvjax.manager import KVCacheManager
 
@@ -25,28 +26,35 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+def _tiny_layout(num_device_pages: int = 8, windows: tuple[int, ...] = (64,), host: int = 0, disk: int = 0,
+                max_seq_len: int = 64, head_dim: int = 1, tokens_per_block: int = 4) -> CacheLayout:
+    """A float32 layout with one KV head: one layer per window (windows capped at max_seq_len),
+    ``num_device_pages`` device pages per group; a page of a group of n layers is
+    2 · tokens_per_block · head_dim · 4 · n bytes."""
+    windows = tuple(min(w, max_seq_len) for w in windows)
+    return CacheLayout(
+        layer_windows=windows, num_pages=(num_device_pages,) * len(dict.fromkeys(windows)), page_size=tokens_per_block,
+        num_kv_heads=1, head_dim=head_dim, max_seq_len=max_seq_len, num_host_pages=host, num_disk_pages=disk,
+    )
+
+
+@pytest.fixture
+def tiny_layout():
+    """The ``CacheLayout`` builder the ``make`` fixture uses (same arguments and defaults)."""
+    return _tiny_layout
+
+
 @pytest.fixture
 def make(clock):
-    """make(num_device_pages=8, windows=(64,), host=0, disk=0, **config) -> KVCacheManager."""
+    """make(num_device_pages=8, windows=(64,), host=0, disk=0, max_seq_len=64, head_dim=1, **config)
+    -> KVCacheManager on ``tiny_layout`` (4 tokens per page unless config sets tokens_per_block)."""
 
-    def _make(num_device_pages: int = 8, windows: tuple[int, ...] = (64,), host: int = 0, disk: int = 0, max_seq_len: int = 64,
-              bytes_per_page: int = 0, **config) -> KVCacheManager:
+    def _make(num_device_pages: int = 8, windows: tuple[int, ...] = (64,), host: int = 0, disk: int = 0,
+              max_seq_len: int = 64, head_dim: int = 1, **config) -> KVCacheManager:
         config.setdefault("tokens_per_block", 4)
         config.setdefault("event_buffer_max_size", 1000)
-        if host:
-            config.setdefault("host_cache_size", host * 1024)
-        if disk:
-            config.setdefault("disk_cache_size", disk * 1024)
-        return KVCacheManager(
-            KvCacheConfig(**config),
-            layer_windows=windows,
-            num_device_pages=num_device_pages,
-            num_host_pages=host,
-            num_disk_pages=disk,
-            max_seq_len=max_seq_len,
-            bytes_per_page=bytes_per_page,
-            clock=clock,
-        )
+        layout = _tiny_layout(num_device_pages, windows, host, disk, max_seq_len, head_dim, config["tokens_per_block"])
+        return KVCacheManager(KvCacheConfig(**config), layout, clock=clock)
 
     return _make
 

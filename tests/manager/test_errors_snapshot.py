@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -51,21 +52,23 @@ def test_bad_calls_raise_clear_errors_and_change_nothing(make, run, call, error,
     assert mgr.state_dict() == before
 
 
-def test_constructor_validates_layout(make):
+def test_constructor_validates_layout(tiny_layout):
     config = KvCacheConfig(tokens_per_block=4)
-    with pytest.raises(ValueError, match=r"num_device_pages=1 must be an int >= 2"):
-        KVCacheManager(config, layer_windows=(64,), num_device_pages=1, max_seq_len=64)
-    with pytest.raises(ValueError, match=r"num_host_pages=4 but config.host_cache_size=0"):
-        KVCacheManager(config, layer_windows=(64,), num_device_pages=8, num_host_pages=4, max_seq_len=64)
+    with pytest.raises(ValueError, match=r"num_pages=\(1,\) must be >= 2 per group"):
+        tiny_layout(num_device_pages=1)
+    with pytest.raises(ValueError, match=r"num_disk_pages=2 needs a host tier"):
+        tiny_layout(disk=2)
     with pytest.raises(ValueError, match=r"layer_windows=\(\) must be a non-empty"):
-        KVCacheManager(config, layer_windows=(), num_device_pages=8, max_seq_len=64)
+        tiny_layout(windows=())
+    with pytest.raises(ValueError, match=r"layout.page_size=8 must equal config.tokens_per_block=4"):
+        KVCacheManager(config, tiny_layout(tokens_per_block=8))
+    with pytest.raises(TypeError, match=r"layout must be a CacheLayout"):
+        KVCacheManager(config, {"num_pages": (8,)})
 
 
-def _restore(mgr, state, clock, **changes):
-    kwargs = dict(layer_windows=mgr.layer_windows, num_device_pages=mgr.num_device_pages,
-                  num_host_pages=mgr.num_host_pages, max_seq_len=mgr.max_seq_len, clock=clock)
-    kwargs.update(changes)
-    return KVCacheManager.from_state_dict(state, kwargs.pop("config", mgr.config), **kwargs)
+def _restore(mgr, state, clock, config=None, **layout_changes):
+    layout = dataclasses.replace(mgr.layout, **layout_changes)
+    return KVCacheManager.from_state_dict(state, config or mgr.config, layout, clock=clock)
 
 
 def test_snapshot_round_trips_through_json_and_behaves_identically(make, run, clock):
@@ -90,13 +93,13 @@ def test_snapshot_round_trips_through_json_and_behaves_identically(make, run, cl
 def test_snapshot_refuses_other_version_config_layout_and_damage(make, run, clock):
     mgr = _busy(make, run)
     state = mgr.state_dict()
-    with pytest.raises(SnapshotError, match=r"format_version=99, this kvjax reads version 2"):
+    with pytest.raises(SnapshotError, match=r"format_version=99, this kvjax reads version 3"):
         _restore(mgr, {**state, "format_version": 99}, clock)
     other = KvCacheConfig(**{**state["config"], "max_attention_window": None, "copy_on_partial_reuse": False})
     with pytest.raises(SnapshotError, match=r"differing fields: copy_on_partial_reuse \(snapshot True, now False\)"):
         _restore(mgr, state, clock, config=other)
     with pytest.raises(SnapshotError, match=r"layout"):
-        _restore(mgr, state, clock, num_device_pages=7)
+        _restore(mgr, state, clock, num_pages=(7, 7))
     damaged = json.loads(json.dumps(state))
     damaged["pools"][0]["device_free"].append(damaged["pools"][0]["blocks"][0]["page"])
     with pytest.raises(SnapshotError, match=r"damaged: group 0: device pages leaked or double-owned"):

@@ -36,10 +36,7 @@ def test_live_internal_scope_survives_a_snapshot(make, clock):
     mgr.allocate("live", 3)
     mgr.commit_tokens("live", P[:3])
     state = json.loads(json.dumps(mgr.state_dict()))
-    restored = KVCacheManager.from_state_dict(
-        state, mgr.config, layer_windows=mgr.layer_windows, num_device_pages=mgr.num_device_pages,
-        num_host_pages=mgr.num_host_pages, max_seq_len=mgr.max_seq_len, clock=clock,
-    )
+    restored = KVCacheManager.from_state_dict(state, mgr.config, mgr.layout, clock=clock)
     for m in (mgr, restored):
         m.allocate("live", 8)
         m.commit_tokens("live", P[3:8])

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
-from kvjax.manager import NULL_PAGE, KVCacheManager, OutOfPagesError
+from kvjax.cache import NULL_PAGE, CacheLayout
+from kvjax.manager import KVCacheManager, OutOfPagesError
 from kvjax.manager.tiers import Tier
 
 PS = 4
@@ -54,20 +55,15 @@ class CacheMachine(RuleBasedStateMachine):
             enable_block_reuse=reuse,
             enable_partial_reuse=partial,
             copy_on_partial_reuse=copy,
-            host_cache_size=host_pages * 1000,
-            disk_cache_size=disk_pages * 1000,
             secondary_offload_min_priority=offload_min,
             event_buffer_max_size=64,
         )
-        self.mgr = KVCacheManager(
-            config,
-            layer_windows=windows,
-            num_device_pages=device_pages,
-            num_host_pages=host_pages,
-            num_disk_pages=disk_pages,
-            max_seq_len=MAX_LEN,
-            clock=self.clock,
+        capped = tuple(min(w, MAX_LEN) for w in windows)
+        layout = CacheLayout(
+            layer_windows=capped, num_pages=(device_pages,) * len(dict.fromkeys(capped)), page_size=PS,
+            num_kv_heads=1, head_dim=1, max_seq_len=MAX_LEN, num_host_pages=host_pages, num_disk_pages=disk_pages,
         )
+        self.mgr = KVCacheManager(config, layout, clock=self.clock)
         groups = len(self.mgr.group_windows)
         self.device = [[[None] * PS for _ in range(device_pages)] for _ in range(groups)]
         self.host = [[[None] * PS for _ in range(host_pages)] for _ in range(groups)]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
-from kvjax.manager import NULL_PAGE, PageOp
+from kvjax.cache import NULL_PAGE
+from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
+from kvjax.manager import PageOp
 
 
 def _prio(p: int) -> KvCacheRetentionConfig:
@@ -15,7 +16,7 @@ def _prio(p: int) -> KvCacheRetentionConfig:
 @pytest.mark.parametrize("priority, offloaded", [(34, False), (35, True)])
 def test_offload_threshold_is_inclusive_at_35(make, run, priority, offloaded):
     """TensorRT-LLM: blocks *below* secondary_offload_min_priority (35) are not offloaded."""
-    mgr = make(num_device_pages=3, host=2, bytes_per_page=100)  # 2 usable device pages
+    mgr = make(num_device_pages=3, host=2, head_dim=3)  # 2 usable device pages of 2·4·3·4 = 96 bytes
     run(mgr, "a", [1] * 4 + [0], retention=_prio(priority))  # block on page 1
     mgr.take_page_ops()
     mgr.add_request("c", [7] * 8)
@@ -24,7 +25,7 @@ def test_offload_threshold_is_inclusive_at_35(make, run, priority, offloaded):
     if offloaded:
         assert ops == [PageOp("offload", 0, 1, 0, 4)]
         assert mgr.num_cached_blocks(0, "host") == 1
-        assert (mgr.stats.offloaded_pages, mgr.stats.offloaded_bytes) == (1, 100)
+        assert (mgr.stats.offloaded_pages, mgr.stats.offloaded_bytes) == (1, 96)
     else:
         assert ops == []
         assert mgr.num_cached_blocks(0, "host") == 0
@@ -32,7 +33,7 @@ def test_offload_threshold_is_inclusive_at_35(make, run, priority, offloaded):
 
 
 def test_reusing_a_host_block_onboards_it_to_a_fresh_page(make, run):
-    mgr = make(num_device_pages=3, host=2, bytes_per_page=100)
+    mgr = make(num_device_pages=3, host=2, head_dim=3)  # pages of 96 bytes
     run(mgr, "a", [1] * 4 + [0])  # page 1
     run(mgr, "c", [7] * 8)  # evicts a's block to host page 0; c's blocks on pages 2, 1
     assert mgr.take_page_ops() == [PageOp("offload", 0, 1, 0, 4)]
@@ -44,7 +45,7 @@ def test_reusing_a_host_block_onboards_it_to_a_fresh_page(make, run):
     tiers = [(e.kind, e.tier) for e in mgr.get_kv_cache_events()]
     assert tiers == [("updated", "host"), ("updated", "device")]
     assert mgr.request_stats("b").onboarded_pages == 1
-    assert (mgr.stats.onboarded_pages, mgr.stats.onboarded_bytes) == (1, 100)
+    assert (mgr.stats.onboarded_pages, mgr.stats.onboarded_bytes) == (1, 96)
     mgr.check_consistency()
 
 
@@ -73,7 +74,7 @@ def test_dropping_a_parent_drops_its_host_descendants(make, run):
 
 
 def test_host_victims_spill_to_disk_and_onboard_from_there(make, run):
-    mgr = make(num_device_pages=2, host=1, disk=2, bytes_per_page=100)  # 1 device, 1 host, 2 disk pages
+    mgr = make(num_device_pages=2, host=1, disk=2, head_dim=3)  # 1 device, 1 host, 2 disk pages of 96 bytes
     run(mgr, "a", [1] * 4)  # page 1
     run(mgr, "b", [2] * 4)  # a -> host 0; b on page 1
     run(mgr, "c", [3] * 4)  # host full: a spills to disk 0; b -> host 0
@@ -83,7 +84,7 @@ def test_host_victims_spill_to_disk_and_onboard_from_there(make, run):
     assert [mgr.num_cached_blocks(0, t) for t in ("device", "host", "disk")] == [1, 1, 1]
     spilled = [e for e in mgr.get_kv_cache_events() if e.tier == "disk"]
     assert [(e.kind, e.token_ids) for e in spilled] == [("updated", ())]
-    assert (mgr.stats.host_evictions, mgr.stats.spilled_pages, mgr.stats.spilled_bytes) == (1, 1, 100)
+    assert (mgr.stats.host_evictions, mgr.stats.spilled_pages, mgr.stats.spilled_bytes) == (1, 1, 96)
     assert mgr.add_request("d", [1] * 4 + [0]) == 4  # a's block comes back from disk in one step
     # the device page comes from c: b spills to disk page 1 to make room on the host, c goes to host
     # page 0, then a is read from disk page 0 straight into device page 1
@@ -91,7 +92,7 @@ def test_host_victims_spill_to_disk_and_onboard_from_there(make, run):
         PageOp("spill", 0, 0, 1, 4), PageOp("offload", 0, 1, 0, 4), PageOp("onboard_disk", 0, 0, 1, 4),
     ]
     assert mgr.block_table("d", 0) == [1]
-    assert (mgr.stats.disk_onboarded_pages, mgr.stats.disk_onboarded_bytes) == (1, 100)
+    assert (mgr.stats.disk_onboarded_pages, mgr.stats.disk_onboarded_bytes) == (1, 96)
     assert mgr.request_stats("d").onboarded_pages == 1
     mgr.check_consistency()
 
@@ -110,15 +111,17 @@ def test_disk_tier_drops_its_own_lru_block_and_low_priority_blocks_skip_it(make,
     mgr.check_consistency()
 
 
-def test_disk_tier_needs_a_host_tier(make):
+def test_disk_tier_needs_a_host_tier(tiny_layout):
     with pytest.raises(ValueError, match="disk_cache_size=1024 needs host_cache_size > 0"):
-        make(disk=1)
+        KvCacheConfig(disk_cache_size=1024)
+    with pytest.raises(ValueError, match=r"num_disk_pages=1 needs a host tier \(num_host_pages=0\)"):
+        tiny_layout(disk=1)
 
 
 def test_layer_groups_follow_distinct_windows(make):
     mgr = make(windows=(64, 8, 64, 8), max_seq_len=64)
     assert mgr.group_windows == (64, 8)
-    assert mgr.layer_groups == (0, 1, 0, 1)
+    assert mgr.layout.layer_group == (0, 1, 0, 1)
 
 
 def test_windowed_group_memory_is_bounded_on_a_long_sequence(make):
