@@ -149,7 +149,8 @@ def index_keys(block_keys: list[bytes], width: int) -> tuple[np.ndarray, np.ndar
     return hi, lo
 
 
-def _select(ok: jax.Array, new: PageState, old: PageState) -> PageState:
+def select(ok: jax.Array, new: PageState, old: PageState) -> PageState:
+    """``new`` where ``ok`` ([] bool) else ``old``, leaf by leaf (to discard a failed update)."""
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
@@ -255,7 +256,7 @@ def allocate(state: PageState, row: jax.Array, num_tokens: jax.Array) -> tuple[P
         num_blocks=new.num_blocks.at[row].set(jnp.maximum(held, target)),
         seq_lens=new.seq_lens.at[row].set(jnp.maximum(new.seq_lens[row], num_tokens)),
     )
-    return _select(ok, new, state), ok
+    return select(ok, new, state), ok
 
 
 def append_tokens(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, jax.Array]:
@@ -417,5 +418,6 @@ __all__ = [
     "lookup",
     "match_prefix",
     "num_available",
+    "select",
     "take_pages",
 ]

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from kvjax.config import KvCacheRetentionConfig, SchedulerConfig
 from kvjax.manager.hashing import BlockKey, MultimodalItem
 from kvjax.manager.manager import KVCacheManager, OutOfPagesError
+from kvjax.manager.manager_v2 import KVCacheManagerV2
 
 
 @dataclasses.dataclass(slots=True)
@@ -118,7 +119,7 @@ class StepPlan:
 class Scheduler:
     """Chooses, per step, which requests prefill (in chunks) and which decode."""
 
-    def __init__(self, config: SchedulerConfig, manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager | KVCacheManagerV2) -> None:
         self.config = config
         self.manager = manager
         self.waiting: collections.deque[SchedulerRequest] = collections.deque()
@@ -222,21 +223,56 @@ class Scheduler:
                 continue
             emitted = sampled.get(req.request_id, ()) if work.samples else ()
             emitted = tuple(emitted) if isinstance(emitted, Sequence) else (emitted,)
-            emitted = emitted[: req.max_new_tokens - len(req.output_token_ids)]
-            if req.eos_token_id in emitted:
-                emitted = emitted[: emitted.index(req.eos_token_id) + 1]
-            computed = work.token_ids + emitted[:-1]
-            self.manager.commit_tokens(req.request_id, computed)
-            req.num_computed_tokens += len(computed)
-            if not work.samples:
-                continue
-            token = emitted[-1]
-            req.output_token_ids.extend(emitted)
-            if len(req.output_token_ids) >= req.max_new_tokens or token == req.eos_token_id:
-                self.manager.free_request(req.request_id)
-                del self.running[req.request_id]
+            if self._record(req, work.token_ids, emitted, work.samples):
                 finished.append(req.request_id)
         return finished
+
+    @property
+    def decodes_only(self) -> bool:
+        """Whether every running request is decoding and nothing waits that a step could admit
+        (none waiting, or the batch full): the next steps are pure decode steps, which the
+        engine may run several at a time on the device."""
+        if not self.running or any(r.in_prefill for r in self.running.values()):
+            return False
+        return not self.waiting or len(self.running) >= self.config.max_batch_size
+
+    def record_decodes(self, emitted: Mapping[str, Sequence[int]]) -> list[str]:
+        """Records decode steps run outside ``schedule`` (the engine's on-device decode loop):
+        each running request in ``emitted`` fed its last token, then its sampled tokens but
+        the last, whose KV the loop wrote in slots it took itself.
+
+        Returns:
+          Requests that finished (their cache references are dropped).
+        """
+        if self._last_plan is not None:
+            raise RuntimeError("record_decodes() cannot run between schedule() and finish_step()")
+        finished = []
+        for rid, tokens in emitted.items():
+            req = self.running.get(rid)
+            if req is None or req.in_prefill:
+                raise ValueError(f"request {rid!r} is not a running decode")
+            if tokens and self._record(req, (req.output_token_ids[-1],), tuple(tokens), True):
+                finished.append(rid)
+        return finished
+
+    def _record(self, req: SchedulerRequest, inputs: tuple[int, ...], emitted: tuple[int, ...], samples: bool) -> bool:
+        """Commits ``inputs`` and the emitted tokens but the last, appends the emitted tokens
+        (cut at ``max_new_tokens`` and the stop token); True if the request finished."""
+        emitted = emitted[: req.max_new_tokens - len(req.output_token_ids)]
+        if req.eos_token_id in emitted:
+            emitted = emitted[: emitted.index(req.eos_token_id) + 1]
+        computed = inputs + emitted[:-1]
+        self.manager.commit_tokens(req.request_id, computed)
+        req.num_computed_tokens += len(computed)
+        if not samples:
+            return False
+        token = emitted[-1]
+        req.output_token_ids.extend(emitted)
+        if len(req.output_token_ids) >= req.max_new_tokens or token == req.eos_token_id:
+            self.manager.free_request(req.request_id)
+            del self.running[req.request_id]
+            return True
+        return False
 
     # ------------------------------------------------------------------ internals
 

@@ -1,0 +1,287 @@
+"""``KVCacheManagerV2``: the thin host face of Manager V2 (``kvjax.manager.functional``).
+
+The allocation state of every layer group lives on the device as one ``PageState`` per
+group; this class validates arguments, hashes blocks (the same BLAKE3 chain as the host
+manager, truncated to 64-bit index keys) and calls the pure functions. It answers the calls
+the scheduler and the engine make of ``KVCacheManager`` (``add_request``, ``allocate``,
+``commit_tokens``, ``free_request``, ``block_table``, ...), so the same scheduler drives it,
+and it exposes ``states`` so the engine's on-device decode loop (``kvjax.decode``) can take
+pages without asking the host.
+
+What V2 does not do (the engine refuses ``use_kv_cache_manager_v2='true'`` with them):
+host / disk tiers, KV cache events, retention priorities, speculative decoding, CacheBlend
+chunks, recurrent state. It reuses whole blocks only (no partial-block reuse), and windowed
+layer groups keep every block of a sequence (no release outside the window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache.layout import CacheLayout
+from kvjax.config import KvCacheConfig, KvCacheRetentionConfig
+from kvjax.manager import functional as F
+from kvjax.manager.hashing import (
+    BlockKey,
+    MultimodalItem,
+    chain_keys,
+    check_token_ids,
+    hash_items,
+    pack_ids,
+    root_key,
+)
+from kvjax.manager.manager import OutOfPagesError
+from kvjax.manager.stats import CacheStats, RequestStats
+from kvjax.manager.tiers import PageOp
+
+
+@dataclasses.dataclass(slots=True)
+class _Row:
+    """Host view of one request: its block-table row, its committed tokens and block keys."""
+
+    row: int
+    prompt: tuple[int, ...]
+    root: BlockKey
+    keys: list[BlockKey]
+    tokens: list[int]
+    num_allocated: int
+    num_committed_blocks: int
+    stats: RequestStats
+
+
+class KVCacheManagerV2:
+    """Manager V2 over ``layout``'s device pools, one ``PageState`` per layer group.
+
+    Args:
+      config: reuse on/off (``enable_block_reuse``); the other policies are V1-only.
+      layout: the cache geometry (pages per group, page size, max_seq_len).
+      max_seqs: block-table rows, the most requests held at once (the scheduler's batch size).
+    """
+
+    def __init__(self, config: KvCacheConfig, layout: CacheLayout, max_seqs: int) -> None:
+        self.config = config
+        self.layout = layout
+        self.max_blocks = layout.pages_for(layout.max_seq_len)
+        self.states: tuple[F.PageState, ...] = tuple(
+            F.init_state(n, max_seqs, self.max_blocks, layout.page_size) for n in layout.num_pages
+        )
+        """Device allocation state per layer group; replaced by every call that changes it."""
+        self._rows: dict[str, _Row] = {}
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._stats = CacheStats()
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.layout.max_seq_len
+
+    @property
+    def max_seqs(self) -> int:
+        return self.states[0].max_seqs
+
+    @property
+    def stats(self) -> CacheStats:
+        """Cumulative reuse counters (live object); V2 counts requests, prompt and reused
+        tokens and blocks, and blocks entered into the index."""
+        return self._stats
+
+    def request_stats(self, request_id: str) -> RequestStats:
+        return self._row(request_id).stats
+
+    def request_ids(self) -> list[str]:
+        return list(self._rows)
+
+    def row_of(self, request_id: str) -> int:
+        """The block-table row holding ``request_id``."""
+        return self._row(request_id).row
+
+    def num_tokens(self, request_id: str) -> int:
+        """Committed tokens of a request (reused prefix included)."""
+        return len(self._row(request_id).tokens)
+
+    def num_free_pages(self, group: int) -> int:
+        """Pages of ``group`` that can be handed out now (free plus unreferenced cached)."""
+        return int(F.available(self.states[group]))
+
+    def block_table(self, request_id: str, group: int) -> list[int]:
+        seq = self._row(request_id)
+        state = self.states[group]
+        n = -(-seq.num_allocated // self.page_size)
+        return np.asarray(state.block_tables[seq.row, :n]).tolist()
+
+    def take_page_ops(self) -> list[PageOp]:
+        """V2 queues no page copies (no tiers, no partial reuse)."""
+        return []
+
+    def prompt_block_keys(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> list[BlockKey]:
+        """BLAKE3 keys of the prompt's full blocks (empty with enable_block_reuse=False)."""
+        prompt = self._check_prompt(prompt_token_ids)
+        if not self.config.enable_block_reuse:
+            return []
+        items = hash_items(tuple(mm_items), len(prompt)) if mm_items else ()
+        return chain_keys(root_key(cache_salt, lora_id), pack_ids(prompt), self.page_size, items)
+
+    def estimate_reusable_tokens(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> int:
+        """Tokens ``add_request`` would reuse right now (no side effects)."""
+        keys = self.prompt_block_keys(prompt_token_ids, cache_salt=cache_salt, lora_id=lora_id, mm_items=mm_items)
+        return self._match(keys, len(prompt_token_ids))[0] * self.page_size
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        retention: KvCacheRetentionConfig | None = None,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> int:
+        """Takes a block-table row and references the longest cached prefix held by every
+        group (at most ``len(prompt) - 1`` tokens); returns the reused token count.
+
+        Raises:
+          ValueError: a bad argument, a retention priority (V1 only), or every row is taken.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        if request_id in self._rows:
+            raise ValueError(f"request_id={request_id!r} is already active; free it first or pick a new id")
+        if retention is not None and retention != KvCacheRetentionConfig():
+            raise ValueError("retention: retention priorities need the V1 manager (use_kv_cache_manager_v2='false')")
+        if not self._free_rows:
+            raise ValueError(f"all max_seqs={self.max_seqs} block-table rows are taken; free a request first")
+        prompt = self._check_prompt(prompt_token_ids)
+        keys = self.prompt_block_keys(prompt, cache_salt=cache_salt, lora_id=lora_id, mm_items=mm_items)
+        num_matched, pages = self._match(keys, len(prompt))
+        row = self._free_rows.pop()
+        self.states = tuple(
+            F.acquire_prefix(s, row, jnp.asarray(p), num_matched) for s, p in zip(self.states, pages)
+        )
+        reused = num_matched * self.page_size
+        stats = RequestStats(
+            prompt_tokens=len(prompt), reused_tokens=reused, prompt_blocks=len(prompt) // self.page_size,
+            reused_blocks=num_matched,
+        )
+        self._stats.add_request(stats)
+        self._rows[request_id] = _Row(
+            row=row, prompt=prompt, root=root_key(cache_salt, lora_id), keys=list(keys), tokens=list(prompt[:reused]),
+            num_allocated=reused, num_committed_blocks=num_matched, stats=stats,
+        )
+        return reused
+
+    def allocate(self, request_id: str, num_total_tokens: int) -> None:
+        """Makes sure the request has a cache slot for each of its first ``num_total_tokens`` tokens.
+
+        Raises:
+          OutOfPagesError: a group lacks free or evictable pages (nothing changed).
+        """
+        seq = self._row(request_id)
+        if not isinstance(num_total_tokens, int) or not 0 <= num_total_tokens <= self.max_seq_len:
+            raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
+        if num_total_tokens <= seq.num_allocated:
+            return
+        new = []
+        for g, state in enumerate(self.states):
+            state, ok = F.allocate(state, seq.row, num_total_tokens)
+            if not bool(ok):
+                raise OutOfPagesError(
+                    f"layer group {g} has {self.num_free_pages(g)} available page(s), too few for "
+                    f"{num_total_tokens} tokens of request {request_id!r}"
+                )
+            new.append(state)
+        self.states = tuple(new)
+        seq.num_allocated = num_total_tokens
+
+    def commit_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Records that the KV of ``token_ids`` (the request's next tokens) is written, and enters
+        the blocks this fills into every group's index. Tokens written by the on-device decode
+        loop (``kvjax.decode``), whose slots the loop took itself, are reported here too."""
+        seq = self._row(request_id)
+        seq.tokens.extend(int(t) for t in token_ids)
+        seq.num_allocated = max(seq.num_allocated, len(seq.tokens))
+        if not self.config.enable_block_reuse:
+            return
+        full = len(seq.tokens) // self.page_size
+        if full <= seq.num_committed_blocks:
+            return
+        ps = self.page_size
+        if len(seq.keys) < full:
+            parent = seq.keys[-1] if seq.keys else seq.root
+            tail = pack_ids(seq.tokens[len(seq.keys) * ps : full * ps])
+            seq.keys.extend(chain_keys(parent, tail, ps))
+        first = seq.num_committed_blocks
+        width = max(4, 1 << (full - first - 1).bit_length())
+        hi, lo = F.index_keys(seq.keys[first:full], width)
+        blocks = np.arange(first, first + width, dtype=np.int32)
+        valid = np.arange(width) < full - first
+        rows = np.full(width, seq.row, np.int32)
+        self.states = tuple(
+            F.commit_blocks(s, jnp.asarray(rows), jnp.asarray(np.minimum(blocks, self.max_blocks - 1)), jnp.asarray(hi),
+                            jnp.asarray(lo), jnp.asarray(valid))
+            for s in self.states
+        )
+        self._stats.stored_blocks += full - first
+        seq.num_committed_blocks = full
+
+    def free_request(self, request_id: str) -> None:
+        """Drops the request's references; its indexed blocks stay matchable until evicted."""
+        seq = self._row(request_id)
+        self.states = tuple(F.free_row(s, seq.row) for s in self.states)
+        self._free_rows.append(seq.row)
+        del self._rows[request_id]
+
+    def check_consistency(self) -> None:
+        """Raises ``AssertionError`` if a group's device state breaks its invariants."""
+        for state in self.states:
+            F.check_invariants(state)
+
+    def _row(self, request_id: str) -> _Row:
+        seq = self._rows.get(request_id)
+        if seq is None:
+            raise KeyError(f"request_id={request_id!r} is not active in the manager")
+        return seq
+
+    def _check_prompt(self, prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
+        prompt = check_token_ids(prompt_token_ids, "prompt_token_ids")
+        if not 1 <= len(prompt) <= self.max_seq_len:
+            raise ValueError(f"len(prompt_token_ids)={len(prompt)} must be in [1, max_seq_len={self.max_seq_len}]")
+        return prompt
+
+    def _match(self, keys: list[BlockKey], prompt_len: int) -> tuple[int, list[np.ndarray]]:
+        """(blocks matched in every group, each group's matched pages [max_blocks])."""
+        usable = min(len(keys), (prompt_len - 1) // self.page_size)
+        empty = [np.full(self.max_blocks, -1, np.int32) for _ in self.states]
+        if usable < 1:
+            return 0, empty
+        hi, lo = F.index_keys(keys[:usable], self.max_blocks)
+        found = [F.match_prefix(s, jnp.asarray(hi), jnp.asarray(lo), usable) for s in self.states]
+        num, pages = jax.device_get(found[0][0]), []
+        for n, p in found:
+            num = min(num, int(n))
+            pages.append(np.asarray(p))
+        return int(num), pages
+
+
+__all__ = ["KVCacheManagerV2"]
