@@ -239,7 +239,6 @@ def train_learned(setup: Setup, config: ml_collections.ConfigDict, sel_cfg: sele
 def controller_table(config: ml_collections.ConfigDict, setup: Setup, workdir: pathlib.Path, seconds_per_token_layer: float,
                      num_tokens: int) -> tuple[loading_controller.LoadingController, list[dict]]:
     """The loading controller (measured host/disk, configured HBM/NVMe) and its per-tier decisions."""
-    cfg = setup.model.config
     tiers = [
         loading_controller.configured_tier("hbm", config.controller.hbm_gbps, 0.0, 3),
         loading_controller.measure_host_tier(),
@@ -247,7 +246,7 @@ def controller_table(config: ml_collections.ConfigDict, setup: Setup, workdir: p
         loading_controller.measure_disk_tier(workdir),
     ]
     controller = loading_controller.LoadingController(
-        tiers, seconds_per_token_layer, 2 * cfg.num_kv_heads * cfg.head_dim * 4, config.controller.min_ratio
+        tiers, seconds_per_token_layer, setup.engine.layout.bytes_per_token_layer, config.controller.min_ratio
     )
     rows = []
     for t in tiers:

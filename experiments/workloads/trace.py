@@ -95,17 +95,17 @@ def make_trace(cfg: ml_collections.ConfigDict, vocab_size: int) -> list[TraceReq
 def sim_layout(cfg: ml_collections.ConfigDict, num_host_pages: int = 0, num_disk_pages: int = 0) -> CacheLayout:
     """The cache geometry of a manager-only replay: ``cfg.num_device_pages`` device pages (null page
     included), full attention over ``cfg.max_seq_len`` tokens, ``cfg.tokens_per_block`` tokens per
-    page, and pages of ``cfg.bytes_per_page`` bytes (one float32 layer with one KV head of
-    ``bytes_per_page / (2 · tokens_per_block · 4)`` values per token), so the byte counters equal
-    those of the model the bytes were taken from."""
-    values = 2 * cfg.tokens_per_block * 4
-    if cfg.bytes_per_page % values:
-        raise ValueError(f"bytes_per_page={cfg.bytes_per_page} must be a multiple of 2 * tokens_per_block * 4 = {values}")
-    return CacheLayout(
-        layer_windows=(cfg.max_seq_len,), num_pages=(cfg.num_device_pages,), page_size=cfg.tokens_per_block,
-        num_kv_heads=1, head_dim=cfg.bytes_per_page // values, max_seq_len=cfg.max_seq_len,
-        num_host_pages=num_host_pages, num_disk_pages=num_disk_pages,
-    )
+    page, and pages of ``cfg.bytes_per_page`` bytes: one float32 layer with one KV head, as wide as
+    that takes, so the byte counters equal those of the model the bytes were taken from."""
+    unit = CacheLayout(layer_windows=(cfg.max_seq_len,), num_pages=(cfg.num_device_pages,),
+                       page_size=cfg.tokens_per_block, num_kv_heads=1, head_dim=1, max_seq_len=cfg.max_seq_len)
+    if cfg.bytes_per_page % unit.bytes_per_page(0):
+        raise ValueError(
+            f"bytes_per_page={cfg.bytes_per_page} must be a multiple of {unit.bytes_per_page(0)} (the bytes of a "
+            f"{cfg.tokens_per_block}-token float32 page with head_dim 1)"
+        )
+    return dataclasses.replace(unit, head_dim=cfg.bytes_per_page // unit.bytes_per_page(0),
+                               num_host_pages=num_host_pages, num_disk_pages=num_disk_pages)
 
 
 def make_manager(cfg: ml_collections.ConfigDict, num_host_pages: int, num_disk_pages: int = 0) -> KVCacheManager:

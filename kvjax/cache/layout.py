@@ -199,6 +199,12 @@ class CacheLayout:
         return 2 * self.num_kv_heads * (values + self.scale_slots * SCALE_DTYPE.itemsize)
 
     @property
+    def bytes_per_token_layer(self) -> int:
+        """K and V bytes of one token in one layer, scales included, rounded up to whole bytes:
+        ceil(bytes_per_page_layer / page_size)."""
+        return -(-self.bytes_per_page_layer // self.page_size)
+
+    @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token over all layers, scales included, rounded up to whole bytes:
         ceil(layers · bytes_per_page_layer / page_size). For the float dtypes exactly
