@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvjax.cache import NULL_PAGE, CacheLayout
 from kvjax.config import DEFAULT_PRIORITY, KvCacheConfig, KvCacheRetentionConfig, as_retention_config
@@ -45,6 +46,9 @@ from kvjax.manager.radix_tree import Block
 from kvjax.manager.retention import block_priority
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp, Tier
+
+if TYPE_CHECKING:
+    from kvjax.manager.state_snapshots import StateSnapshotIndex
 
 
 _PROMPT_MEMO_SIZE = 256
@@ -164,6 +168,8 @@ class KVCacheManager:
         )
         self._windowed = tuple(g for g, pool in enumerate(self.pools) if not pool.tree_rule)
         """Groups that release blocks outside their window as sequences grow."""
+        self.state_snapshots: StateSnapshotIndex | None = None
+        """A hybrid model's recurrent-state snapshots (``attach_state_snapshots``); None otherwise."""
 
     # ================================================================== geometry (read from the layout)
 
@@ -460,6 +466,14 @@ class KVCacheManager:
                     pool.release(block, self._tick)
         del self._sequences[request_id]
 
+    def attach_state_snapshots(self, snapshots: StateSnapshotIndex) -> None:
+        """Hybrid models: reuse stops at the deepest block boundary of the cached prefix that
+        has a recurrent-state snapshot, since the recurrent layers can resume only from a
+        saved state (partial reuse is off: states exist only at block boundaries); snapshot
+        events enter this manager's buffer as the group after the attention groups."""
+        snapshots.bind(self._events, len(self.pools), lambda key: any(key in pool.tree.blocks for pool in self.pools))
+        self.state_snapshots = snapshots
+
     def clear_cache(self) -> None:
         """Forgets every cached block (event "all_cleared" per group); no request may be active."""
         if self._sequences:
@@ -610,11 +624,14 @@ class KVCacheManager:
                     else:
                         lo = min(self._first_in_window(pool, k * ps), k)
                         feasible[k] = missing[k] - missing[lo] == 0
-        num_full = max(k for k in range(max_full + 1) if feasible[k])
+        snapshots = self.state_snapshots
+        num_full = max(
+            k for k in range(max_full + 1) if feasible[k] and (k == 0 or snapshots is None or snapshots.has(keys[k - 1]))
+        )
         start = num_full * ps
         partial = 0
         sources: list[tuple[Block | None, bool]] = [(None, False)] * len(self.pools)
-        if self.config.enable_partial_reuse and start < cap:
+        if self.config.enable_partial_reuse and start < cap and snapshots is None:
             partial = min(ps - 1, cap - start)
             parent = keys[num_full - 1] if num_full else root
             wanted = prompt[start : start + partial]
