@@ -65,8 +65,11 @@ from kvjax.config import (
     SpeculativeConfig,
     as_retention_config,
 )
+from kvjax.decode import decode_steps
 from kvjax.manager import KVCacheManager, MultimodalItem, PageOp, hashing
+from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
+from kvjax.model.config import ModelConfig
 from kvjax.model.model import Model
 from kvjax.model.transformer import forward
 from kvjax.sampling import SamplingParams, sample
@@ -222,11 +225,8 @@ class Engine:
             raise ValueError(f"speculative must be None or a SpeculativeConfig, got {type(speculative).__name__}")
         if isinstance(max_finished_requests, bool) or not isinstance(max_finished_requests, int) or max_finished_requests < 1:
             raise ValueError(f"max_finished_requests={max_finished_requests!r} must be an int >= 1")
-        if kv_cache_config.use_kv_cache_manager_v2 == "true":
-            raise ConfigError(
-                f"use_kv_cache_manager_v2='true' is not supported for model {cfg.name!r}: kvjax implements the "
-                "host-side (V1) manager only; use 'auto' or 'false'"
-            )
+        self.uses_manager_v2 = choose_manager_v2(kv_cache_config, cfg, speculative)
+        """Manager V2 (device-side allocation state, on-device decode) rather than V1."""
         self.model = model
         self.kv_config = kv_cache_config
         self.scheduler_config = scheduler_config
@@ -237,7 +237,13 @@ class Engine:
             max_seq_len=self.max_seq_len, model_dtype=str(model.params.embed.dtype),
         )
         """The cache geometry (pages of every tier, page size, windows); the one owner of it."""
-        self.manager = KVCacheManager(kv_cache_config, self.layout)
+        self.manager: KVCacheManager | KVCacheManagerV2 = (
+            KVCacheManagerV2(kv_cache_config, self.layout, scheduler_config.max_batch_size)
+            if self.uses_manager_v2 else KVCacheManager(kv_cache_config, self.layout)
+        )
+        self._decode_on_device = self.uses_manager_v2
+        """Whether the next pure-decode step may run on the device (V2; off for one step after
+        a dispatch that ran out of pages or raised, so the scheduler preempts or isolates)."""
         self.pool: PagePool = init_pool(self.layout)
         self.host_pool = HostPool(self.layout, kv_cache_config.disk_cache_dir)
         """The host and disk tiers' pages (written only through its methods)."""
@@ -262,6 +268,8 @@ class Engine:
         with self.lock:
             if self.has_work:
                 raise ValueError("set_manager needs an idle engine: finish or drop queued/running requests first")
+            if self.uses_manager_v2:
+                raise ValueError("set_manager swaps a V1 manager; this engine runs Manager V2 (use_kv_cache_manager_v2)")
             self.manager = manager
             self.scheduler = Scheduler(self.scheduler_config, manager)
 
@@ -291,6 +299,8 @@ class Engine:
         """
         vocab = self.model.config.vocab_size
         prompt = check_token_ids(prompt_token_ids, vocab)
+        if self.uses_manager_v2:
+            _check_v2_request(retention, chunks)
         if chunks is not None:
             if cache_salt is not None or lora_id is not None or mm_items:
                 raise ValueError("a request with chunks takes no cache_salt, lora_id or mm_items (its scope is chunks.salt)")
@@ -396,6 +406,11 @@ class Engine:
         in the step go on.
         """
         with self.lock:
+            if self._decode_on_device and self.scheduler.decodes_only and not any(
+                self.requests[rid].sampling.return_logits for rid in self.scheduler.running
+            ):
+                return self._step_on_device()
+            self._decode_on_device = self.uses_manager_v2
             plan = self.scheduler.schedule()
             for rid in plan.preempted:
                 record = self.requests[rid]
@@ -429,6 +444,58 @@ class Engine:
             for rid in finished:
                 self._finish(rid)
             return list(sampled.items())
+
+    def _step_on_device(self) -> list[tuple[str, int | list[int]]]:
+        """Manager V2's pure-decode step: up to ``num_decode_steps_per_dispatch`` tokens of
+        every running request from one dispatch of ``kvjax.decode.decode_steps`` (pages,
+        forward, sampling and stops on the device); returns (request_id, tokens) pairs.
+
+        A dispatch that runs out of pages keeps the tokens it emitted and hands the next step
+        to the scheduler (which preempts); one that raises runs this step through the
+        scheduler instead, which confines the failure to its request.
+        """
+        start = time.perf_counter()
+        manager, n = self.manager, self.scheduler_config.num_decode_steps_per_dispatch
+        rows = manager.max_seqs
+        tokens, stop_ids, budgets = np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+        active = np.zeros(rows, bool)
+        running = list(self.scheduler.running.values())
+        works = []
+        longest = 0
+        for req in running:
+            r = manager.row_of(req.request_id)
+            tokens[r], active[r] = req.output_token_ids[-1], True
+            stop_ids[r] = -1 if req.eos_token_id is None else req.eos_token_id
+            budgets[r] = req.max_new_tokens - len(req.output_token_ids)
+            longest = max(longest, req.num_computed_tokens + min(n, int(budgets[r])))
+            works.append(ScheduledRequest(req.request_id, (int(tokens[r]),), req.num_computed_tokens, False, True))
+        ordered = sorted(works, key=lambda w: manager.row_of(w.request_id))
+        padded = [ordered[0]] * rows  # sampling arrays in row order; rows without a request are inactive
+        for w in ordered:
+            padded[manager.row_of(w.request_id)] = w
+        width = min(bucket(self.layout.pages_for(longest), 4), manager.max_blocks)
+        try:
+            self.pool, states, emitted, counts, ok = decode_steps(
+                self.model.params, self.pool, manager.states, jnp.asarray(tokens), jnp.asarray(active),
+                jnp.asarray(stop_ids), jnp.asarray(budgets), *self._sampling_arrays(padded, rows),
+                cfg=self.model.config, layout=self.layout, num_steps=n, width=width, attn_impl=self.attn_impl,
+            )
+            emitted, counts, ok = jax.device_get((emitted, counts, ok))
+        except Exception as e:
+            log.warning("on-device decode failed (%s: %s); stepping through the scheduler", type(e).__name__, e)
+            self._decode_on_device = False
+            return self.step()
+        manager.states = states
+        self._decode_on_device = bool(ok)
+        out = {w.request_id: emitted[manager.row_of(w.request_id), : counts[manager.row_of(w.request_id)]].tolist()
+               for w in works}
+        for rid in self.scheduler.record_decodes(out):
+            self._finish(rid)
+        self.timings["decode_s"] += time.perf_counter() - start
+        self.timings["decode_tokens"] += int(counts.sum())
+        self.timings["decode_steps"] += int(counts.max(initial=0))
+        self.timings["decode_dispatches"] += 1
+        return [(rid, tokens) for rid, tokens in out.items() if tokens]
 
     def _run_isolated(
         self, works: Sequence[ScheduledRequest], phase: str, failed: dict[str, str]
@@ -687,6 +754,48 @@ class Engine:
             if wants_logits[i]:
                 self.requests[w.request_id].logits.append(host_logits[i])
         return sampled
+
+
+def choose_manager_v2(config: KvCacheConfig, cfg: ModelConfig, speculative: SpeculativeConfig | None) -> bool:
+    """Whether an engine runs Manager V2: ``use_kv_cache_manager_v2`` "true" / "false", or for
+    "auto" the model family's ``prefers_kv_cache_manager_v2`` (V1 when it declares none, or
+    when it prefers V2 but the configuration needs a V1 feature).
+
+    Raises:
+      ConfigError: "true" together with a feature only V1 has, naming the field and why.
+    """
+    choice = config.use_kv_cache_manager_v2
+    if choice == "false" or (choice == "auto" and not cfg.prefers_kv_cache_manager_v2):
+        return False
+    needs_v1 = [
+        reason
+        for reason, present in (
+            (f"kv_cache_config.host_cache_size={config.host_cache_size} (host offload tier)", config.host_cache_size > 0),
+            (f"kv_cache_config.disk_cache_size={config.disk_cache_size} (disk tier)", config.disk_cache_size > 0),
+            (f"kv_cache_config.event_buffer_max_size={config.event_buffer_max_size} (KV cache events)",
+             config.event_buffer_max_size > 0),
+            ("speculative (speculative decoding rolls back slots the host manager owns)", speculative is not None),
+            (f"model {cfg.name!r} with recurrent layers (recurrent-state pool and snapshots)", cfg.is_hybrid),
+        )
+        if present
+    ]
+    if not needs_v1:
+        return True
+    if choice == "true":
+        raise ConfigError(
+            "use_kv_cache_manager_v2='true' is not supported with " + "; ".join(needs_v1)
+            + ": Manager V2 implements none of these; use 'false' or 'auto'"
+        )
+    log.info("use_kv_cache_manager_v2='auto': model prefers V2 but %s needs V1", "; ".join(needs_v1))
+    return False
+
+
+def _check_v2_request(retention: KvCacheRetentionConfig | dict | None, chunks: ChunkedPrompt | None) -> None:
+    """Raises ValueError for a request feature Manager V2 lacks (retention priorities, CacheBlend chunks)."""
+    if retention is not None and as_retention_config(retention) != KvCacheRetentionConfig():
+        raise ValueError("retention: per-request retention priorities need the V1 manager (use_kv_cache_manager_v2='false')")
+    if chunks is not None:
+        raise ValueError("chunks: CacheBlend chunk reuse needs the V1 manager (use_kv_cache_manager_v2='false')")
 
 
 def _to_output(request_id: str, r: RequestRecord) -> RequestOutput:
