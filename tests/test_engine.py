@@ -127,6 +127,7 @@ def test_stream_yields_the_generated_tokens(smollm2, prompts):
 def test_forced_manager_v2_is_a_clear_error(smollm2):
     from kvjax.config import ConfigError
 
-    with pytest.raises(ConfigError, match="use_kv_cache_manager_v2='true' is not supported"):
-        make_engine(smollm2, use_kv_cache_manager_v2=True)
-    assert make_engine(smollm2, use_kv_cache_manager_v2="auto").manager is not None
+    with pytest.raises(ConfigError, match="use_kv_cache_manager_v2='true' is not supported with .*host_cache_size"):
+        make_engine(smollm2, use_kv_cache_manager_v2=True, host_cache_size=1 << 20)
+    assert not make_engine(smollm2, use_kv_cache_manager_v2="auto").uses_manager_v2
+    assert make_engine(smollm2, use_kv_cache_manager_v2=True).uses_manager_v2
