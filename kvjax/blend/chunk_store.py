@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from kvjax.cache import NULL_PAGE
+from kvjax.cache.pool import sequence_slots
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.manager.hashing import InternalScope, check_token_ids
 from kvjax.sampling import SamplingParams
@@ -236,17 +236,7 @@ class ChunkStore:
         Returns:
           (page_ids [G, padded] int32, offsets [padded] int32, valid [padded] bool).
         """
-        ps = self.page_size
-        page_ids = np.full((len(tables), padded), NULL_PAGE, np.int32)
-        offsets = np.zeros(padded, np.int32)
-        valid = np.zeros(padded, bool)
-        pos = np.asarray(stored, np.int64)
-        dst = np.arange(at, at + len(pos))
-        for g, table in enumerate(tables):
-            page_ids[g, dst] = np.asarray(table, np.int32)[pos // ps]
-        offsets[dst] = pos % ps
-        valid[dst] = True
-        return page_ids, offsets, valid
+        return sequence_slots(tables, np.asarray(stored), np.arange(at, at + len(stored)), padded, self.page_size)
 
 
 __all__ = ["ChunkStore", "Lease", "PAD", "SENTINEL", "StoreStats", "VARIANTS", "Variant"]

@@ -50,8 +50,9 @@ import numpy as np
 
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
-from kvjax.blend.selection import Roles, SelectionConfig, bucket, estimated_rows, plan
+from kvjax.blend.selection import Roles, SelectionConfig, estimated_rows, plan, round_up
 from kvjax.cache import NULL_PAGE
+from kvjax.cache.pool import sequence_slots
 from kvjax.manager.hashing import InternalScope
 
 if TYPE_CHECKING:
@@ -183,22 +184,16 @@ def blended_prefill(
     n = len(prompt)
     roles = reuse.roles(n)
     p = roles.prefix_len
-    padded = bucket(n, reuse.token_bucket)
+    padded = round_up(n, reuse.token_bucket)
     ps = engine.layout.page_size
-    own = [np.asarray(manager.block_table(request_id, g), np.int32) for g in range(engine.layout.num_groups)]
-    page_ids = np.full((len(own), padded), NULL_PAGE, np.int32)  # per layer group
-    offsets = np.zeros(padded, np.int32)
-    valid = np.zeros(padded, bool)
-
-    def place(slots: tuple[np.ndarray, ...]) -> None:
-        page_ids[:, slots[2]], offsets[slots[2]], valid[slots[2]] = slots[0][:, slots[2]], slots[1][slots[2]], True
-
+    own = [manager.block_table(request_id, g) for g in range(engine.layout.num_groups)]
     # Tokens matched in the blend scope: their fused KV is already in the request's own pages
     # (a windowed group shows the null page outside its window; no row attends there).
     cached = np.arange(num_cached)
-    for g, table in enumerate(own):
-        page_ids[g, :num_cached] = table[cached // ps]
-    offsets[:num_cached], valid[:num_cached] = cached % ps, True
+    page_ids, offsets, valid = sequence_slots(own, cached, cached, padded, ps)  # page_ids: per layer group
+
+    def place(slots: tuple[np.ndarray, ...]) -> None:
+        page_ids[:, slots[2]], offsets[slots[2]], valid[slots[2]] = slots[0][:, slots[2]], slots[1][slots[2]], True
 
     chunks = [prompt[s:e] for s, e in roles.chunk_spans]
     prefix_in_store = bool(chunks) and 0 < p == store.stored_start and tuple(prompt[:p]) == store.variant_prefix

@@ -41,7 +41,7 @@ from kvjax import attention
 from kvjax.blend.reposition import reposition_keys
 from kvjax.blend.selection import FEATURES, CheckScore, check_features, check_score, narrow
 from kvjax.cache.layout import CacheLayout
-from kvjax.cache.pool import Pages, PagePool, read_slots, slot_mapping, write_layer
+from kvjax.cache.pool import PagePool, read_sequence, write_sequence
 from kvjax.model import transformer
 from kvjax.model.config import ModelConfig
 from pallas_kernels.partial_attention.rows import row_attention
@@ -224,14 +224,8 @@ def prepare(
     Returns:
       (k, v): one [T, K, d] array per layer each (quantized pages dequantized).
     """
-    mask = inputs.reused[:, None, None]
-
-    def read(pages: Pages, layer: int) -> jax.Array:
-        page_ids = inputs.page_ids[layout.layer_group[layer]]
-        return jnp.where(mask, read_slots(pages, page_ids, inputs.offsets), 0)  # [T, K, d]
-
-    k = tuple(reposition_keys(read(p, i), inputs.deltas, cfg.layer_rope_theta[i]) for i, p in enumerate(pool.k))
-    return k, tuple(read(p, i) for i, p in enumerate(pool.v))
+    k, v = read_sequence(pool, layout, inputs.page_ids, inputs.offsets, inputs.reused)
+    return tuple(reposition_keys(k[i], inputs.deltas, cfg.layer_rope_theta[i]) for i in range(layout.num_layers)), v
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("pool",))
@@ -241,15 +235,7 @@ def write_fused(
     """Writes the fused KV ([T, K, d] per layer) into the sequence's pages, except the
     ``num_cached`` leading tokens (pages the tree already holds, possibly shared)."""
     write_pos = jnp.where(inputs.positions >= inputs.num_cached, inputs.positions, -1)  # [T]
-    slots = [slot_mapping(table[None], write_pos[None], layout.page_size) for table in inputs.block_table]
-
-    def write(pages: Pages, fused: jax.Array, layer: int) -> Pages:
-        page_ids, offsets = slots[layout.layer_group[layer]]
-        return write_layer(pages, page_ids, offsets, fused[None])
-
-    new_k = tuple(write(p, k[i], i) for i, p in enumerate(pool.k))
-    new_v = tuple(write(p, v[i], i) for i, p in enumerate(pool.v))
-    return PagePool(k=new_k, v=new_v)
+    return write_sequence(pool, layout, inputs.block_table, write_pos, k, v)
 
 
 def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInputs) -> RowState:

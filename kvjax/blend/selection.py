@@ -218,7 +218,7 @@ class Selection:
     score: CheckScore = dataclasses.field(default_factory=lambda: CheckScore())
 
 
-def bucket(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     """``n`` rounded up to a positive multiple of ``multiple``."""
     return max(multiple, -(-n // multiple) * multiple)
 
@@ -229,7 +229,7 @@ def target_count(roles: Roles, ratio: float) -> int:
 
 
 def _fixed(token_ids: np.ndarray, row_bucket: int) -> Selection:
-    capacity = bucket(len(token_ids), row_bucket)
+    capacity = round_up(len(token_ids), row_bucket)
     rows = np.zeros(capacity, np.int32)
     rows[: len(token_ids)] = token_ids
     valid = np.arange(capacity) < len(token_ids)
@@ -303,7 +303,7 @@ def select_schedule(roles: Roles, config: SelectionConfig, padded: int, num_laye
     for layer, budget in zip(check_layers, budgets):
         count = roles.num_forced + min(roles.num_selectable, math.ceil(budget * target - 1e-9))
         counts.append(count)
-        capacity = bucket(count, config.row_bucket)
+        capacity = round_up(count, config.row_bucket)
         if checks:
             capacity = min(capacity, checks[-1][1])
         checks.append((layer, min(capacity, padded)))
@@ -368,7 +368,7 @@ def plan(
     counts = sel.counts + len(forced)
     checks, cap = [], padded
     for (layer, _), count in zip(sel.checks, counts):
-        cap = min(bucket(int(count), row_bucket), cap)
+        cap = min(round_up(int(count), row_bucket), cap)
         checks.append((layer, cap))
     return dataclasses.replace(
         sel, rows_valid=sel.rows_valid & (sel.rows >= num_cached), checks=tuple(checks), counts=counts.astype(np.int32)

@@ -11,10 +11,12 @@ Every op here takes either kind of layer; a page's scales travel with its values
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache.layout import NULL_PAGE, CacheLayout
 from kvjax.cache.quant import QuantizedPages, init_quantized, write_quantized
@@ -141,3 +143,79 @@ def write_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.A
         k[layer] = jax.tree.map(lambda a, new: a.at[page_ids].set(new[0, n].astype(a.dtype)), k[layer], kv)
         v[layer] = jax.tree.map(lambda a, new: a.at[page_ids].set(new[1, n].astype(a.dtype)), v[layer], kv)
     return PagePool(k=tuple(k), v=tuple(v))
+
+
+def sequence_slots(
+    tables: Sequence[Sequence[int]], positions: np.ndarray, tokens: np.ndarray, num_tokens: int, page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host-side slot arrays that place the KV stored at ``positions`` of a block table at
+    token indices ``tokens`` of a ``num_tokens``-token sequence (the addresses
+    ``read_sequence`` reads).
+
+    Args:
+      tables: one block table (page ids) per layer group.
+      positions: [n] token positions within the tables' sequence.
+      tokens: [n] indices in [0, num_tokens) that receive them.
+      page_size: tokens per page.
+
+    Returns:
+      (page_ids [num_groups, num_tokens] int32, offsets [num_tokens] int32, valid
+      [num_tokens] bool); tokens not placed point at slot 0 of the null page, invalid.
+    """
+    positions = np.asarray(positions, np.int64)
+    page_ids = np.full((len(tables), num_tokens), NULL_PAGE, np.int32)
+    offsets = np.zeros(num_tokens, np.int32)
+    valid = np.zeros(num_tokens, bool)
+    for g, table in enumerate(tables):
+        page_ids[g, tokens] = np.asarray(table, np.int32)[positions // page_size]
+    offsets[tokens] = positions % page_size
+    valid[tokens] = True
+    return page_ids, offsets, valid
+
+
+def read_sequence(
+    pool: PagePool, layout: CacheLayout, page_ids: jax.Array, offsets: jax.Array, valid: jax.Array
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Every layer's K and V at arbitrary slots, laid out as one contiguous sequence
+    (dequantized; zeros where ``valid`` is False). Traceable (call it inside a jitted function).
+
+    Args:
+      page_ids: [num_groups, T] int32, one row per layer group; offsets: [T] int32; valid: [T] bool
+        (``sequence_slots``).
+
+    Returns:
+      (k, v): one [T, num_kv_heads, head_dim] array per layer each.
+    """
+    mask = valid[:, None, None]
+
+    def read(pages: Pages, layer: int) -> jax.Array:
+        return jnp.where(mask, read_slots(pages, page_ids[layout.layer_group[layer]], offsets), 0)
+
+    return tuple(read(p, i) for i, p in enumerate(pool.k)), tuple(read(p, i) for i, p in enumerate(pool.v))
+
+
+def write_sequence(
+    pool: PagePool,
+    layout: CacheLayout,
+    block_tables: Sequence[jax.Array],
+    positions: jax.Array,
+    k: Sequence[jax.Array],
+    v: Sequence[jax.Array],
+) -> PagePool:
+    """Writes one sequence's K and V of every layer into its pages. Traceable.
+
+    Args:
+      block_tables: one [pages_per_seq] int32 block table per layer group.
+      positions: [T] int32 absolute positions; negative = not written.
+      k, v: one [T, num_kv_heads, head_dim] array per layer each.
+    """
+    slots = [slot_mapping(table[None], positions[None], layout.page_size) for table in block_tables]
+
+    def write(pages: Pages, values: jax.Array, layer: int) -> Pages:
+        page_ids, offsets = slots[layout.layer_group[layer]]
+        return write_layer(pages, page_ids, offsets, values[None])
+
+    return PagePool(
+        k=tuple(write(p, k[i], i) for i, p in enumerate(pool.k)),
+        v=tuple(write(p, v[i], i) for i, p in enumerate(pool.v)),
+    )
