@@ -243,7 +243,7 @@ class BlockPool:
         if disk_page is None:
             self._drop(victim)
             return
-        self.ops.append(PageOp("spill", self.group, victim.page, disk_page, self.page_size))
+        self.ops.append(PageOp("spill", self.group, victim.page, disk_page))
         self.stats.spilled_pages += 1
         self.stats.spilled_bytes += self.bytes_per_page
         self.host_free.append(victim.page)
@@ -267,7 +267,7 @@ class BlockPool:
         if host_page is None:
             self._drop(victim)
             return
-        self.ops.append(PageOp("offload", self.group, victim.page, host_page, self.page_size))
+        self.ops.append(PageOp("offload", self.group, victim.page, host_page))
         self.stats.offloaded_pages += 1
         self.stats.offloaded_bytes += self.bytes_per_page
         self.device_free.append(victim.page)
@@ -321,7 +321,7 @@ class BlockPool:
         self._unqueue(block)
         page = self.take_device_page()
         kind = "onboard" if block.tier is Tier.HOST else "onboard_disk"
-        self.ops.append(PageOp(kind, self.group, block.page, page, self.page_size))
+        self.ops.append(PageOp(kind, self.group, block.page, page))
         self._count_onboard(block.tier)
         self._free_pages(block.tier).append(block.page)
         block.tier, block.page = Tier.DEVICE, page
@@ -331,8 +331,9 @@ class BlockPool:
         self.requeue(block)
         self.emit("updated", block)
 
-    def copy_prefix(self, source: Block, num_tokens: int) -> Block:
-        """A private block holding the first ``num_tokens`` tokens of ``source`` (partial reuse).
+    def copy_prefix(self, source: Block) -> Block:
+        """A private block holding a copy of ``source``'s page, for reuse of its leading tokens
+        (partial reuse; the request writes its own tokens after them).
 
         The caller holds a reference on the source so that finding the destination page
         cannot evict it and the copy (or onboard, for a host or disk source) reads the right page.
@@ -340,12 +341,12 @@ class BlockPool:
         assert source.ref_count > 0, "acquire the source first"
         block = self.new_block()
         if source.tier is Tier.DEVICE:
-            self.ops.append(PageOp("copy", self.group, source.page, block.page, num_tokens))
+            self.ops.append(PageOp("copy", self.group, source.page, block.page))
             self.stats.copied_pages += 1
             self.stats.copied_bytes += self.bytes_per_page
         else:
             kind = "onboard" if source.tier is Tier.HOST else "onboard_disk"
-            self.ops.append(PageOp(kind, self.group, source.page, block.page, num_tokens))
+            self.ops.append(PageOp(kind, self.group, source.page, block.page))
             self._count_onboard(source.tier)
         return block
 

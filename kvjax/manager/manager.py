@@ -718,7 +718,7 @@ class KVCacheManager:
                 pool.take_in_place(gp.source)
                 blocks.append(gp.source)
             else:
-                block = pool.copy_prefix(gp.source, plan.partial_tokens)
+                block = pool.copy_prefix(gp.source)
                 block.ref_count = 1
                 pool.release(gp.source, None)
                 blocks.append(block)

@@ -44,16 +44,15 @@ class PageOp(NamedTuple):
         dst), "onboard" (host page src -> device page dst), "onboard_disk" (disk page src ->
         device page dst) or "copy" (device page src -> device page dst).
       group: layer group whose pools the pages belong to.
-      src, dst: page ids in the source and destination pools.
-      num_tokens: leading tokens of the page to move; the page size for whole pages,
-        fewer for the copy of a partially reused block.
+      src, dst: page ids in the source and destination pools. A whole page moves, also for a
+        partially reused block: its slots past the reused tokens are overwritten by the
+        request's own tokens before anything reads them.
     """
 
     kind: Literal["offload", "spill", "onboard", "onboard_disk", "copy"]
     group: int
     src: int
     dst: int
-    num_tokens: int
 
 
 def should_offload(priority: int, secondary_offload_min_priority: int) -> bool:

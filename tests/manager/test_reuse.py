@@ -31,7 +31,7 @@ def test_second_request_reuses_blocks_and_copies_partial_last_block(make, run):
     # same 12-token prompt: capped at 11 tokens -> 2 shared blocks + 3 tokens of block 3 copied
     assert mgr.add_request("b", P) == 11
     assert mgr.block_table("b", 0) == [1, 2, 4]
-    assert mgr.take_page_ops() == [PageOp("copy", 0, 3, 4, 3)]
+    assert mgr.take_page_ops() == [PageOp("copy", 0, 3, 4)]
     stats = mgr.request_stats("b")
     assert (stats.reused_tokens, stats.reused_blocks, stats.copied_pages) == (11, 2, 1)
     mgr.allocate("b", 12)
@@ -151,7 +151,7 @@ def test_partial_reuse_copies_matching_tokens(make, run):
     run(mgr, "a", [1, 2, 3, 4, 5, 6, 7, 8, 0])  # pages 1, 2 cached
     assert mgr.add_request("b", [1, 2, 3, 4, 5, 6, 9, 9, 9]) == 6
     assert mgr.block_table("b", 0) == [1, 4]
-    assert mgr.take_page_ops() == [PageOp("copy", 0, 2, 4, 2)]
+    assert mgr.take_page_ops() == [PageOp("copy", 0, 2, 4)]
 
 
 def test_partial_reuse_without_copy_takes_free_leaf_in_place(make, run):

@@ -85,10 +85,10 @@ class CacheMachine(RuleBasedStateMachine):
                 self.disk[op.group][op.dst] = list(self.host[op.group][op.src])
             elif op.kind in ("onboard", "onboard_disk"):
                 source = self.host if op.kind == "onboard" else self.disk
-                self.device[op.group][op.dst] = source[op.group][op.src][: op.num_tokens] + [None] * (PS - op.num_tokens)
+                self.device[op.group][op.dst] = list(source[op.group][op.src])
             else:
                 assert op.src != op.dst
-                self.device[op.group][op.dst] = self.device[op.group][op.src][: op.num_tokens] + [None] * (PS - op.num_tokens)
+                self.device[op.group][op.dst] = list(self.device[op.group][op.src])
 
     def _live(self):
         return list(self.mgr._sequences)

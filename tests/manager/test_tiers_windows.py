@@ -23,7 +23,7 @@ def test_offload_threshold_is_inclusive_at_35(make, run, priority, offloaded):
     mgr.allocate("c", 8)  # needs page 1 back
     ops = mgr.take_page_ops()
     if offloaded:
-        assert ops == [PageOp("offload", 0, 1, 0, 4)]
+        assert ops == [PageOp("offload", 0, 1, 0)]
         assert mgr.num_cached_blocks(0, "host") == 1
         assert (mgr.stats.offloaded_pages, mgr.stats.offloaded_bytes) == (1, 96)
     else:
@@ -36,11 +36,11 @@ def test_reusing_a_host_block_onboards_it_to_a_fresh_page(make, run):
     mgr = make(num_device_pages=3, host=2, head_dim=3)  # pages of 96 bytes
     run(mgr, "a", [1] * 4 + [0])  # page 1
     run(mgr, "c", [7] * 8)  # evicts a's block to host page 0; c's blocks on pages 2, 1
-    assert mgr.take_page_ops() == [PageOp("offload", 0, 1, 0, 4)]
+    assert mgr.take_page_ops() == [PageOp("offload", 0, 1, 0)]
     mgr.get_kv_cache_events()
     assert mgr.add_request("b", [1] * 4 + [5]) == 4
     # a device page is needed: c's tail block (page 1) goes to host page 1, then onboard
-    assert mgr.take_page_ops() == [PageOp("offload", 0, 1, 1, 4), PageOp("onboard", 0, 0, 1, 4)]
+    assert mgr.take_page_ops() == [PageOp("offload", 0, 1, 1), PageOp("onboard", 0, 0, 1)]
     assert mgr.block_table("b", 0) == [1]
     tiers = [(e.kind, e.tier) for e in mgr.get_kv_cache_events()]
     assert tiers == [("updated", "host"), ("updated", "device")]
@@ -79,7 +79,7 @@ def test_host_victims_spill_to_disk_and_onboard_from_there(make, run):
     run(mgr, "b", [2] * 4)  # a -> host 0; b on page 1
     run(mgr, "c", [3] * 4)  # host full: a spills to disk 0; b -> host 0
     assert mgr.take_page_ops() == [
-        PageOp("offload", 0, 1, 0, 4), PageOp("spill", 0, 0, 0, 4), PageOp("offload", 0, 1, 0, 4),
+        PageOp("offload", 0, 1, 0), PageOp("spill", 0, 0, 0), PageOp("offload", 0, 1, 0),
     ]
     assert [mgr.num_cached_blocks(0, t) for t in ("device", "host", "disk")] == [1, 1, 1]
     spilled = [e for e in mgr.get_kv_cache_events() if e.tier == "disk"]
@@ -89,7 +89,7 @@ def test_host_victims_spill_to_disk_and_onboard_from_there(make, run):
     # the device page comes from c: b spills to disk page 1 to make room on the host, c goes to host
     # page 0, then a is read from disk page 0 straight into device page 1
     assert mgr.take_page_ops() == [
-        PageOp("spill", 0, 0, 1, 4), PageOp("offload", 0, 1, 0, 4), PageOp("onboard_disk", 0, 0, 1, 4),
+        PageOp("spill", 0, 0, 1), PageOp("offload", 0, 1, 0), PageOp("onboard_disk", 0, 0, 1),
     ]
     assert mgr.block_table("d", 0) == [1]
     assert (mgr.stats.disk_onboarded_pages, mgr.stats.disk_onboarded_bytes) == (1, 96)
@@ -181,7 +181,7 @@ def test_offloading_a_parent_whose_host_child_makes_room(make, run):
     mgr.take_page_ops()
     mgr.add_request("c", [9] * 12)
     mgr.allocate("c", 12)  # child -> host 0; parent: host full, the child is dropped, parent -> host 0
-    assert mgr.take_page_ops() == [PageOp("offload", 0, 2, 0, 4), PageOp("offload", 0, 1, 0, 4)]
+    assert mgr.take_page_ops() == [PageOp("offload", 0, 2, 0), PageOp("offload", 0, 1, 0)]
     assert mgr.block_table("c", 0) == [3, 2, 1]
     assert (mgr.num_cached_blocks(0, "host"), mgr.num_cached_blocks(0, "device")) == (1, 0)
     mgr.check_consistency()
