@@ -57,6 +57,7 @@ import numpy as np
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, PagePool, init_pool
 from kvjax.cache.pool import copy_pages, read_pages, write_pages
+from kvjax.cache.state_pool import NULL_SLOT, copy_slots, init_state_pool, read_slots, write_slots, zero_slots
 from kvjax.config import (
     ConfigError,
     KvCacheConfig,
@@ -69,6 +70,7 @@ from kvjax.decode import decode_steps
 from kvjax.manager import KVCacheManager, MultimodalItem, PageOp, hashing
 from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
+from kvjax.manager.state_snapshots import StateSnapshotIndex
 from kvjax.model.config import ModelConfig
 from kvjax.model.model import Model
 from kvjax.model.transformer import forward
@@ -262,6 +264,13 @@ class Engine:
         """Cumulative seconds and token counts by phase (prefill / decode / page_ops). Speculative
         decodes add draft_s (drafting, within decode_s), spec_rows (sequence-steps verified),
         spec_drafted and spec_accepted (draft tokens proposed and accepted)."""
+        self.state_pool: jax.Array | None = None
+        """A hybrid model's recurrent state slots [R, num_slots, H, d, d] (``kvjax.cache.state_pool``);
+        None for pure-attention models."""
+        self.state_snapshots: StateSnapshotIndex | None = None
+        """Which request or snapshot holds each state slot (hybrid models only)."""
+        if cfg.is_hybrid:
+            self._init_recurrent_state()
 
     def set_manager(self, manager: KVCacheManager) -> None:
         """Swaps in another manager (a restored snapshot); the engine must be idle."""
@@ -272,6 +281,8 @@ class Engine:
                 raise ValueError("set_manager swaps a V1 manager; this engine runs Manager V2 (use_kv_cache_manager_v2)")
             self.manager = manager
             self.scheduler = Scheduler(self.scheduler_config, manager)
+            if self.state_snapshots is not None:
+                manager.attach_state_snapshots(self.state_snapshots)
 
     # ------------------------------------------------------------------ submission
 
@@ -302,6 +313,8 @@ class Engine:
         if self.uses_manager_v2:
             _check_v2_request(retention, chunks)
         if chunks is not None:
+            if self.state_snapshots is not None:
+                raise ValueError(f"chunks: CacheBlend chunk reuse is not supported for the hybrid model {self.model.config.name!r}")
             if cache_salt is not None or lora_id is not None or mm_items:
                 raise ValueError("a request with chunks takes no cache_salt, lora_id or mm_items (its scope is chunks.salt)")
             chunks.check(self, prompt)
@@ -378,6 +391,7 @@ class Engine:
             del self.requests[oldest]
 
     def _finish(self, request_id: str, reason: str | None = None, error: str | None = None) -> None:
+        self._end_state(request_id, finished=reason is None)
         record = self.requests[request_id]
         record.finished, record.finish_time = True, time.perf_counter()
         record.finish_reason, record.error = reason, error
@@ -417,7 +431,10 @@ class Engine:
                 record.num_preemptions += 1
                 record.logits.clear()
                 record.first_token_time = None
+                self._end_state(rid, finished=False)  # resumed later from a snapshot, or recomputed
             self._execute_page_ops()
+            if self.state_snapshots is not None:
+                self._start_states(plan.scheduled)
             sampled: dict[str, int | list[int]] = {}
             failed: dict[str, str] = {}
             prefills = [w for w in plan.scheduled if w.is_prefill]
@@ -504,6 +521,8 @@ class Engine:
         try:
             if phase == "blend":
                 return self._run_blend(works[0])
+            if phase == "prefill" and self.state_snapshots is not None:
+                return self._run_prefill_pieces(works[0])
             return self._run_speculative(works) if phase == "speculative" else self._run(works, phase)
         except Exception as e:
             if len(works) > 1:
@@ -602,7 +621,7 @@ class Engine:
         for g in range(self.layout.num_groups):
             table = np.full((num_rows, width), NULL_PAGE, np.int32)
             for i, w in enumerate(works):
-                pages = self.manager.block_table(w.request_id, g)
+                pages = self.manager.block_table(w.request_id, g)[:width]  # pages past the step (a cut chunk) are not read
                 table[i, : len(pages)] = pages
             tables.append(jnp.asarray(table))
         return tuple(tables)
@@ -625,10 +644,15 @@ class Engine:
         width = bucket(self.layout.pages_for(int(lengths.max())), 4)
         tables = self._block_tables(works, rows, width)
         samples = any(w.samples for w in works)
-        logits, self.pool = forward(
+        slots = None if self.state_snapshots is None else self._state_slots(works, rows)
+        logits, self.pool, *state = forward(
             self.model.params, self.pool, jnp.asarray(tokens), jnp.asarray(positions), tables, jnp.asarray(lengths),
             cfg=self.model.config, layout=self.layout, logits_mode="last" if samples else "none", attn_impl=self.attn_impl,
+            state=None if slots is None else read_slots(self.state_pool, slots),
         )
+        if slots is not None:
+            self.state_pool = write_slots(self.state_pool, slots, state[0])
+            self._take_snapshots(works)
         sampled = self._sample(works, logits) if samples else {}
         jax.block_until_ready(self.pool.k[0])
         self.timings[f"{phase}_s"] += time.perf_counter() - start
@@ -755,6 +779,110 @@ class Engine:
                 self.requests[w.request_id].logits.append(host_logits[i])
         return sampled
 
+    # ------------------------------------------------------------------ recurrent state (hybrid models)
+
+    def _init_recurrent_state(self) -> None:
+        """A hybrid model's state pool: a live slot per running request and the snapshot slots
+        of ``kv_cache_config.mamba_state_config`` (``kvjax.manager.state_snapshots``)."""
+        cfg = self.model.config
+        if self.speculative is not None:
+            raise ValueError(
+                f"speculative decoding is not supported for the hybrid model {cfg.name!r}: a rejected draft "
+                "cannot be rolled back out of a recurrent state; pass speculative=None"
+            )
+        self.state_snapshots = StateSnapshotIndex(self.kv_config, num_live=self.scheduler_config.max_batch_size)
+        self.state_pool = init_state_pool(cfg, self.state_snapshots.num_slots)
+        self.manager.attach_state_snapshots(self.state_snapshots)
+
+    def _start_states(self, works: Sequence[ScheduledRequest]) -> None:
+        """Gives newly admitted requests a live slot: restored from the snapshot at their
+        reused prefix (a block boundary), or zeroed when nothing was reused."""
+        index, ps = self.state_snapshots, self.layout.page_size
+        restores, zeros = [], []
+        for w in works:
+            if index.live(w.request_id) is not None:
+                continue
+            sched = self.requests[w.request_id].sched
+            live = index.start(w.request_id, sched.prompt_keys, len(sched.prompt_token_ids))
+            if w.start == 0:
+                zeros.append(live.slot)
+                continue
+            if w.start % ps:
+                raise RuntimeError(f"request {w.request_id!r} resumes at {w.start}, not a block boundary (page {ps})")
+            restores.append((index.restore(sched.prompt_keys[w.start // ps - 1]).slot, live.slot))
+        if restores:
+            src, dst = _padded_slots([s for s, _ in restores]), _padded_slots([d for _, d in restores])
+            self.state_pool = copy_slots(self.state_pool, src, dst)
+        if zeros:
+            self.state_pool = zero_slots(self.state_pool, _padded_slots(zeros))
+
+    def _end_state(self, request_id: str, finished: bool) -> None:
+        """Returns a request's live slot; a request that finished a turn leaves the key of its
+        last full block (prompt + output), which a next turn extending it continues."""
+        if self.state_snapshots is None:
+            return
+        final_key = None
+        record = self.requests.get(request_id)
+        if finished and record is not None and self.kv_config.enable_block_reuse:
+            sched = record.sched
+            tokens = sched.prompt_token_ids + tuple(sched.output_token_ids)
+            full = len(tokens) // self.layout.page_size * self.layout.page_size
+            if full:
+                final_key = self._prefix_keys(sched, tokens[:full])[-1]
+        self.state_snapshots.end(request_id, final_key)
+
+    def _prefix_keys(self, sched: SchedulerRequest, tokens: tuple[int, ...]) -> list[hashing.BlockKey]:
+        """Block keys of a request's token prefix (its prompt's own keys when it is one)."""
+        if len(tokens) <= len(sched.prompt_token_ids):
+            return sched.prompt_keys[: len(tokens) // self.layout.page_size]
+        return self.manager.prompt_block_keys(
+            tokens, cache_salt=sched.cache_salt, lora_id=sched.lora_id, mm_items=sched.mm_items
+        )
+
+    def _state_slots(self, works: Sequence[ScheduledRequest], rows: int) -> jax.Array:
+        slots = np.full(rows, NULL_SLOT, np.int32)
+        for i, w in enumerate(works):
+            slots[i] = self.state_snapshots.live(w.request_id).slot
+        return jnp.asarray(slots)
+
+    def _take_snapshots(self, works: Sequence[ScheduledRequest]) -> None:
+        """Copies the live state of each row that ended this step on a snapshot boundary
+        into a snapshot slot keyed by the block key of that prefix."""
+        if not self.kv_config.enable_block_reuse:
+            return
+        index = self.state_snapshots
+        copies = []
+        for w in works:
+            end = w.start + len(w.token_ids)
+            live = index.live(w.request_id)
+            if not index.is_boundary(end, live.prompt_len):
+                continue
+            sched = self.requests[w.request_id].sched
+            key = self._prefix_keys(sched, (sched.prompt_token_ids + tuple(sched.output_token_ids))[:end])[-1]
+            slot = index.store(w.request_id, key, end)
+            if slot is not None:
+                copies.append((live.slot, slot))
+        if copies:
+            src, dst = _padded_slots([s for s, _ in copies]), _padded_slots([d for _, d in copies])
+            self.state_pool = copy_slots(self.state_pool, src, dst)
+
+    def _run_prefill_pieces(self, work: ScheduledRequest) -> dict[str, int]:
+        """A hybrid model's prefill chunk, cut at the snapshot boundaries inside it so the
+        state at each is taken; only the last piece samples."""
+        end = work.start + len(work.token_ids)
+        live = self.state_snapshots.live(work.request_id)
+        cuts = [p for p in self.state_snapshots.boundaries_in(work.start, end, live.prompt_len) if p < end] + [end]
+        sampled: dict[str, int] = {}
+        start = work.start
+        for cut in cuts:
+            piece = dataclasses.replace(
+                work, token_ids=work.token_ids[start - work.start : cut - work.start], start=start,
+                samples=work.samples and cut == end,
+            )
+            sampled = self._run([piece], "prefill")
+            start = cut
+        return sampled
+
 
 def choose_manager_v2(config: KvCacheConfig, cfg: ModelConfig, speculative: SpeculativeConfig | None) -> bool:
     """Whether an engine runs Manager V2: ``use_kv_cache_manager_v2`` "true" / "false", or for
@@ -796,6 +924,12 @@ def _check_v2_request(retention: KvCacheRetentionConfig | dict | None, chunks: C
         raise ValueError("retention: per-request retention priorities need the V1 manager (use_kv_cache_manager_v2='false')")
     if chunks is not None:
         raise ValueError("chunks: CacheBlend chunk reuse needs the V1 manager (use_kv_cache_manager_v2='false')")
+
+def _padded_slots(slots: Sequence[int]) -> jax.Array:
+    """Slot ids padded with NULL_SLOT to a power-of-two length (few compiled shapes)."""
+    padded = np.full(bucket(len(slots)), NULL_SLOT, np.int32)
+    padded[: len(slots)] = slots
+    return jnp.asarray(padded)
 
 
 def _to_output(request_id: str, r: RequestRecord) -> RequestOutput:
