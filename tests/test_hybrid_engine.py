@@ -110,9 +110,10 @@ def test_per_conversation_resumes_each_turn_at_its_prompt_end(hybrid):
 
 
 def test_preemption_recomputes_the_state(hybrid):
-    """A cache too small for three 300-token sequences preempts; outputs equal a roomy run."""
-    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    prompts = [prompt(20 + i, 300) for i in range(3)]
+    """Three 200-token prompts fit the 48-page cache, their decodes to 320 tokens do not: the
+    newest is preempted (its state slot returned) and later restarted; outputs equal a roomy run."""
+    sampling = SamplingParams(max_new_tokens=120, ignore_eos=True)
+    prompts = [prompt(20 + i, 200) for i in range(3)]
     roomy = make_engine(hybrid, enable_block_reuse=False).generate(prompts, sampling)
     tight = make_engine(hybrid, max_tokens=PAGE * 48, max_seq_len=512, enable_block_reuse=False)
     outs = tight.generate(prompts, sampling)
