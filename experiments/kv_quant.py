@@ -30,7 +30,7 @@ from kvjax.blend.engine_blend import ChunkReuse
 from kvjax.blend.selection import SelectionConfig
 from kvjax.cache import QUANTIZED_DTYPES, CacheLayout, init_pool
 from kvjax.config import KvCacheConfig, SchedulerConfig
-from kvjax.engine import Engine, bucket, prefill_bucket
+from kvjax.engine import Engine, pow2_bucket, prefill_bucket
 from kvjax.model.registry import Model, load_model
 from kvjax.model.transformer import forward
 from kvjax.sampling import SamplingParams
@@ -168,7 +168,7 @@ def blend_rows(config: ml_collections.ConfigDict, model: Model, prompts: list[Bl
     logits: dict[tuple[str, str, str], list[np.ndarray]] = {}
     for dtype, granularity in cases:
         engine = Engine(model, KvCacheConfig(**kv, dtype=dtype, scale_granularity="token" if granularity == "-" else granularity),
-                        scheduler, max_seq_len=bucket(longest + 8, config.page_size), attn_impl=config.attn_impl)
+                        scheduler, max_seq_len=pow2_bucket(longest + 8, config.page_size), attn_impl=config.attn_impl)
         for prompt in tqdm(prompts, desc=f"blend {dtype}/{granularity}", unit="prompt"):
             store = ChunkStore(engine, variant="system", prefix_tokens=prompt.prefix)
             for chunk in prompt.chunks:
@@ -200,7 +200,7 @@ def speed_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
     """Decode ms/token through the engine per dtype at each batch size (median of rounds)."""
     c = config.speed
     rng = np.random.default_rng(config.seed)
-    max_seq_len = bucket(c.context + c.decode_tokens + 2, config.page_size)
+    max_seq_len = pow2_bucket(c.context + c.decode_tokens + 2, config.page_size)
     rows = []
     for dtype, granularity in [REFERENCE, *[(d, g) for d, g in variants(config) if g in c.scale_granularities]]:
         kv = KvCacheConfig(tokens_per_block=config.page_size, max_tokens=max(c.batches) * max_seq_len, dtype=dtype,
@@ -234,7 +234,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
             "rag": ([p.tokens.tolist() for p in prompts], config.rag.continuation_tokens),
             "long": (long_prompts(config, model), config.long.generate_tokens),
         }
-        max_seq_len = bucket(max(len(p) + num for ps, num in parts.values() for p in ps), config.page_size)
+        max_seq_len = pow2_bucket(max(len(p) + num for ps, num in parts.values() for p in ps), config.page_size)
         padded = prefill_bucket(max(len(p) for ps, _ in parts.values() for p in ps))
         for part, (part_prompts, num) in parts.items():
             if part in config.parts:

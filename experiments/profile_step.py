@@ -21,7 +21,7 @@ from experiments import report
 from experiments.timing import machine_limits
 from kvjax.cache import NULL_PAGE, CacheLayout, PagePool
 from kvjax.config import KvCacheConfig, SchedulerConfig
-from kvjax.engine import Engine, bucket, prefill_bucket
+from kvjax.engine import Engine, pow2_bucket, prefill_bucket
 from kvjax.model.registry import load_model
 from kvjax.model.transformer import forward
 
@@ -51,7 +51,7 @@ def step_args(layout: CacheLayout, row: str, context: int, vocab_size: int, seed
     kind, _, size = row.rpartition("_")
     if kind == "decode" and size.startswith("b") and size[1:].isdigit():
         seqs, new, start = int(size[1:]), 1, context
-        rows, t = bucket(seqs), 1
+        rows, t = pow2_bucket(seqs), 1
     elif kind == "prefill" and size.isdigit():
         seqs, new, start = 1, int(size), 0
         rows, t = 1, prefill_bucket(int(size))
@@ -65,7 +65,7 @@ def step_args(layout: CacheLayout, row: str, context: int, vocab_size: int, seed
     positions[:seqs, :new] = np.arange(start, start + new)
     lengths[:seqs] = start + new
     pages = layout.pages_for(start + new)
-    width = bucket(pages, 4)
+    width = pow2_bucket(pages, 4)
     table = np.full((rows, width), NULL_PAGE, np.int32)
     table[:seqs, :pages] = 1 + np.arange(seqs * pages).reshape(seqs, pages)
     tables = tuple(jnp.asarray(table) for _ in range(layout.num_groups))

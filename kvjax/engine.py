@@ -80,7 +80,7 @@ from kvjax.speculative import DraftRow, make_drafter, verify
 log = logging.getLogger(__name__)
 
 
-def bucket(n: int, minimum: int = 1) -> int:
+def pow2_bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     m = max(int(n), minimum, 1)
     return 1 << (m - 1).bit_length()
@@ -94,7 +94,7 @@ cache hit of 30% on a 1k-token prompt computes 768 tokens, not 1024 (a few more 
 def prefill_bucket(n: int) -> int:
     """Padded length of a prefill chunk of ``n`` tokens: a power of two >= 16 up to
     PREFILL_STEP, then a multiple of PREFILL_STEP."""
-    return bucket(n, 16) if n <= PREFILL_STEP else -(-n // PREFILL_STEP) * PREFILL_STEP
+    return pow2_bucket(n, 16) if n <= PREFILL_STEP else -(-n // PREFILL_STEP) * PREFILL_STEP
 
 
 def check_token_ids(token_ids: object, vocab_size: int, field: str = "prompt_token_ids") -> tuple[int, ...]:
@@ -490,7 +490,7 @@ class Engine:
         padded = [ordered[0]] * rows  # sampling arrays in row order; rows without a request are inactive
         for w in ordered:
             padded[manager.row_of(w.request_id)] = w
-        width = min(bucket(self.layout.pages_for(longest), 4), manager.max_blocks)
+        width = min(pow2_bucket(self.layout.pages_for(longest), 4), manager.max_blocks)
         try:
             self.pool, states, emitted, counts, ok = decode_steps(
                 self.model.params, self.pool, manager.states, jnp.asarray(tokens), jnp.asarray(active),
@@ -597,7 +597,7 @@ class Engine:
         self.timings["page_ops"] += len(ops)
 
     def _apply(self, kind: str, group: int, ops: list[PageOp]) -> None:
-        n = bucket(len(ops))
+        n = pow2_bucket(len(ops))
         src = np.full(n, NULL_PAGE, np.int32)
         dst = np.full(n, NULL_PAGE, np.int32)
         src[: len(ops)] = [op.src for op in ops]
@@ -630,9 +630,9 @@ class Engine:
         """One forward over ``works`` (one prefill chunk, or a batch of decodes); samples
         the rows that sample and returns their tokens."""
         start = time.perf_counter()
-        rows = bucket(len(works))
+        rows = pow2_bucket(len(works))
         longest = max(len(w.token_ids) for w in works)
-        t = prefill_bucket(longest) if phase == "prefill" else bucket(longest)
+        t = prefill_bucket(longest) if phase == "prefill" else pow2_bucket(longest)
         tokens = np.zeros((rows, t), np.int32)
         positions = np.full((rows, t), -1, np.int32)
         lengths = np.zeros(rows, np.int32)
@@ -641,7 +641,7 @@ class Engine:
             tokens[i, :n] = w.token_ids
             positions[i, :n] = np.arange(w.start, w.start + n)
             lengths[i] = w.start + n
-        width = bucket(self.layout.pages_for(int(lengths.max())), 4)
+        width = pow2_bucket(self.layout.pages_for(int(lengths.max())), 4)
         tables = self._block_tables(works, rows, width)
         samples = any(w.samples for w in works)
         slots = None if self.state_snapshots is None else self._state_slots(works, rows)
@@ -685,9 +685,9 @@ class Engine:
         each request emits (accepted drafts, then the token after them). A step where the
         drafter proposes nothing runs as a plain decode."""
         start_time = time.perf_counter()
-        rows = bucket(len(works))
+        rows = pow2_bucket(len(works))
         draft_rows, allocated = self._draft_rows(works)
-        width = bucket(self.layout.pages_for(max(allocated)), 4)
+        width = pow2_bucket(self.layout.pages_for(max(allocated)), 4)
         tables = self._block_tables(works, rows, width)
         drafts, self.pool = self.drafter.propose(draft_rows, rows, self.pool, tables)
         num_drafts = drafts.num_drafts
@@ -927,7 +927,7 @@ def _check_v2_request(retention: KvCacheRetentionConfig | dict | None, chunks: C
 
 def _padded_slots(slots: Sequence[int]) -> jax.Array:
     """Slot ids padded with NULL_SLOT to a power-of-two length (few compiled shapes)."""
-    padded = np.full(bucket(len(slots)), NULL_SLOT, np.int32)
+    padded = np.full(pow2_bucket(len(slots)), NULL_SLOT, np.int32)
     padded[: len(slots)] = slots
     return jnp.asarray(padded)
 
