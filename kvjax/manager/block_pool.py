@@ -81,9 +81,13 @@ class BlockPool:
         self._events_on = events.enabled
         """Events on (the buffer's capacity never changes): checked before building one."""
         self.stats = stats
-        self.device_free: collections.deque[int] = collections.deque(range(1, num_device_pages))
-        self.host_free: collections.deque[int] = collections.deque(range(num_host_pages))
-        self.disk_free: collections.deque[int] = collections.deque(range(num_disk_pages))
+        self._empty()
+
+    def _empty(self) -> None:
+        """Every page free, no cached block."""
+        self.device_free: collections.deque[int] = collections.deque(range(1, self.num_device_pages))
+        self.host_free: collections.deque[int] = collections.deque(range(self.num_host_pages))
+        self.disk_free: collections.deque[int] = collections.deque(range(self.num_disk_pages))
         self.tree = RadixTree()
         self.device_queue = EvictionQueue()
         self.host_queue = EvictionQueue()
@@ -409,12 +413,4 @@ class BlockPool:
     def clear(self) -> None:
         """Forgets every cached block of every tier; no block may be referenced (nothing is copied)."""
         assert all(b.ref_count == 0 for b in self.tree.blocks.values()), "clear() with blocks in use"
-        self.device_free = collections.deque(range(1, self.num_device_pages))
-        self.host_free = collections.deque(range(self.num_host_pages))
-        self.disk_free = collections.deque(range(self.num_disk_pages))
-        self.tree = RadixTree()
-        self.device_queue = EvictionQueue()
-        self.host_queue = EvictionQueue()
-        self.disk_queue = EvictionQueue()
-        self.num_free_cached = 0
-        self.expiry = ExpiryQueue()
+        self._empty()
