@@ -1,8 +1,9 @@
 """Orbax snapshots of the whole cache state of an engine (SPEC E4).
 
-A snapshot step holds the arrays (device page pools, the host tier's pools) and one JSON
-metadata file: ``{"document": ..., "blake3": ...}``. The document holds the manager's host
-state (radix tree, ref counts, priorities and expiries, free queues, host map, events, stats),
+A snapshot step holds the arrays (device page pools, the host tier's pools, a hybrid model's
+recurrent state pool) and one JSON metadata file: ``{"document": ..., "blake3": ...}``. The
+document holds the manager's host state (radix tree, ref counts, priorities and expiries, free
+queues, host map, events, stats), a hybrid model's recurrent-state snapshot index,
 the cache configuration and layout, the model's identity (its name and the BLAKE3 digest of
 its weights, ``Model.weights_digest``), the format version and a BLAKE3 digest of the arrays
 (names, dtypes, shapes, bytes); ``blake3`` is the digest of the document's canonical JSON
@@ -64,6 +65,8 @@ def _arrays(engine: Engine) -> dict[str, np.ndarray]:
         arrays |= _named(f"device_v_{i:03d}", f"device_v_scales_{i:03d}", v)
     for tier, g, pages in engine.host_pool.pools():
         arrays |= _named(f"{tier}_{g:03d}", f"{tier}_scales_{g:03d}", pages)
+    if engine.state_pool is not None:
+        arrays["state_pool"] = np.asarray(engine.state_pool)
     return arrays
 
 
@@ -184,6 +187,7 @@ def _save(engine: Engine, directory: str | os.PathLike, step: int | None, overwr
         **_identity(engine),
         "arrays_blake3": _arrays_digest(arrays),
         "manager_state": engine.manager.state_dict(),
+        "state_snapshots": None if engine.state_snapshots is None else engine.state_snapshots.state_dict(),
     }
     document = json.loads(json.dumps(document))  # hash exactly what restore will read back
     meta = {"document": document, "blake3": _document_digest(document)}
@@ -289,6 +293,12 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
         manager = KVCacheManager.from_state_dict(document["manager_state"], engine.kv_config, engine.layout)
     except SnapshotError as err:
         raise SnapshotError(f"{where}: {err}") from err
+    if engine.state_snapshots is not None:
+        try:
+            engine.state_snapshots.load_state_dict(document["state_snapshots"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise SnapshotError(f"{where}: its recurrent-state snapshots are damaged: {err}") from err
+        engine.state_pool = jnp.asarray(arrays["state_pool"])
     num_layers = engine.layout.num_layers
     engine.pool = PagePool(
         k=tuple(_pages(arrays, f"device_k_{i:03d}", f"device_k_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
