@@ -43,7 +43,6 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -53,10 +52,9 @@ from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
 from kvjax.blend.selection import Roles, SelectionConfig, estimated_rows, plan, round_up
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
+from kvjax.engine import Engine, pow2_bucket
 from kvjax.manager.hashing import InternalScope
 
-if TYPE_CHECKING:
-    from kvjax.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +245,7 @@ def blended_prefill(
             reuse.selection, padded, cfg.num_layers, forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
             num_cached=num_cached, exact_len=exact_len, scores=reuse.scores,
         )
-        width = max(4, 1 << (engine.layout.pages_for(padded) - 1).bit_length())
+        width = pow2_bucket(engine.layout.pages_for(padded), 4)
         block_table = np.full((len(own), width), NULL_PAGE, np.int32)
         for g, table in enumerate(own):
             block_table[g, : len(table)] = table
