@@ -13,7 +13,7 @@ from kvjax.blend.selection import SelectionConfig
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.config import ModelConfig
-from kvjax.model.registry import Model
+from kvjax.model.model import Model
 from kvjax.model.transformer import Params
 from kvjax.sampling import SamplingParams
 
