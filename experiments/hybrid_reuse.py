@@ -76,7 +76,8 @@ def run_cell(
     prompt = sum(r["prompt_tokens"] for r in rows)
     reused = sum(r["reused_tokens"] for r in rows)
     short = [r for r in rows if r["prompt_tokens"] < config.vllm_block_tokens]
-    per_slot = slot_bytes(model.config)
+    cfg = model.config
+    per_slot = slot_bytes(len(cfg.recurrent_layers), cfg.num_heads, cfg.head_dim)
     totals = dict(
         tokens_per_block=kv.tokens_per_block,
         prompt_tokens=prompt,

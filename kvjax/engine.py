@@ -314,7 +314,9 @@ class Engine:
             _check_v2_request(retention, chunks)
         if chunks is not None:
             if self.state_snapshots is not None:
-                raise ValueError(f"chunks: CacheBlend chunk reuse is not supported for the hybrid model {self.model.config.name!r}")
+                raise ValueError(
+                    f"chunks: CacheBlend chunk reuse is not supported for the hybrid model {self.model.config.name!r}"
+                )
             if cache_salt is not None or lora_id is not None or mm_items:
                 raise ValueError("a request with chunks takes no cache_salt, lora_id or mm_items (its scope is chunks.salt)")
             chunks.check(self, prompt)
@@ -621,7 +623,7 @@ class Engine:
         for g in range(self.layout.num_groups):
             table = np.full((num_rows, width), NULL_PAGE, np.int32)
             for i, w in enumerate(works):
-                pages = self.manager.block_table(w.request_id, g)[:width]  # pages past the step (a cut chunk) are not read
+                pages = self.manager.block_table(w.request_id, g)[:width]  # pages past the step are not read
                 table[i, : len(pages)] = pages
             tables.append(jnp.asarray(table))
         return tuple(tables)
@@ -791,7 +793,9 @@ class Engine:
                 "cannot be rolled back out of a recurrent state; pass speculative=None"
             )
         self.state_snapshots = StateSnapshotIndex(self.kv_config, num_live=self.scheduler_config.max_batch_size)
-        self.state_pool = init_state_pool(cfg, self.state_snapshots.num_slots)
+        self.state_pool = init_state_pool(
+            len(cfg.recurrent_layers), self.state_snapshots.num_slots, cfg.num_heads, cfg.head_dim
+        )
         self.manager.attach_state_snapshots(self.state_snapshots)
 
     def _start_states(self, works: Sequence[ScheduledRequest]) -> None:

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from kvjax.cache import init_pool
-from kvjax.cache.state_pool import NULL_SLOT, copy_slots, init_state_pool, read_slots, slot_bytes, write_slots, zero_slots
+from kvjax.cache.state_pool import (
+    NULL_SLOT, copy_slots, init_state_pool, read_slots, slot_bytes, state_shape, write_slots, zero_slots,
+)
 from kvjax.model.config import ModelConfig
-from kvjax.model.recurrent import CHUNK, state_shape
+from kvjax.model.recurrent import CHUNK
 from kvjax.model.transformer import Params, forward
 from kvjax.testing.numpy_forward import numpy_logits, recurrent_layer_numpy
 from kvjax.testing.paged import single_group_layout
@@ -146,8 +148,8 @@ def test_forward_requires_state_exactly_for_hybrid_models(hybrid):
 
 def test_state_pool_ops(hybrid):
     cfg, _ = hybrid
-    pool = init_state_pool(cfg, 6)
-    assert pool.shape == (3, 6, 4, 16, 16) and slot_bytes(cfg) == 3 * 4 * 16 * 16 * 4
+    pool = init_state_pool(len(cfg.recurrent_layers), 6, cfg.num_heads, cfg.head_dim)
+    assert pool.shape == (3, 6, 4, 16, 16) and slot_bytes(3, 4, 16) == 3 * 4 * 16 * 16 * 4
     values = jnp.arange(3 * 2 * 4 * 16 * 16, dtype=jnp.float32).reshape(3, 2, 4, 16, 16)
     pool = write_slots(pool, jnp.array([2, 4], jnp.int32), values)
     np.testing.assert_array_equal(read_slots(pool, jnp.array([4, 2], jnp.int32)), values[:, ::-1])
@@ -156,6 +158,6 @@ def test_state_pool_ops(hybrid):
     pool = zero_slots(pool, jnp.array([4], jnp.int32))
     assert not np.asarray(pool[:, 4]).any() and np.asarray(pool[:, 2]).any()
     with pytest.raises(ValueError, match="num_slots=1 must be an int >= 2"):
-        init_state_pool(cfg, 1)
-    with pytest.raises(ValueError, match="has no recurrent layer"):
-        init_state_pool(tiny_config(), 4)
+        init_state_pool(3, 1, 4, 16)
+    with pytest.raises(ValueError, match="num_recurrent_layers=0 must be an int >= 1"):
+        init_state_pool(len(tiny_config().recurrent_layers), 4, 4, 16)

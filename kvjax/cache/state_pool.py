@@ -18,26 +18,31 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.model.config import ModelConfig
-from kvjax.model.recurrent import state_shape
-
 NULL_SLOT = 0
 """Slot 0 is never handed out: padding rows read and write it. Its contents are garbage by
 design and no sequence ever resumes from it."""
 
 
-def slot_bytes(cfg: ModelConfig) -> int:
+def state_shape(num_recurrent_layers: int, num_slots: int, num_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of the recurrent state of ``num_slots`` slots (or rows): [R, num_slots, H, d, d]."""
+    return (num_recurrent_layers, num_slots, num_heads, head_dim, head_dim)
+
+
+def slot_bytes(num_recurrent_layers: int, num_heads: int, head_dim: int) -> int:
     """Bytes of one slot: R * H * d * d float32."""
-    return len(cfg.recurrent_layers) * cfg.num_heads * cfg.head_dim * cfg.head_dim * 4
+    return num_recurrent_layers * num_heads * head_dim * head_dim * 4
 
 
-def init_state_pool(cfg: ModelConfig, num_slots: int) -> jax.Array:
-    """A zeroed pool [R, num_slots, H, d, d] float32 of a hybrid model."""
-    if not cfg.is_hybrid:
-        raise ValueError(f"model {cfg.name!r} has no recurrent layer (layer_types={cfg.layer_types!r}); it needs no state pool")
+def init_state_pool(num_recurrent_layers: int, num_slots: int, num_heads: int, head_dim: int) -> jax.Array:
+    """A zeroed pool [R, num_slots, H, d, d] float32 (R >= 1: a hybrid model's recurrent layers)."""
+    if not isinstance(num_recurrent_layers, int) or num_recurrent_layers < 1:
+        raise ValueError(
+            f"num_recurrent_layers={num_recurrent_layers!r} must be an int >= 1: only a model with recurrent "
+            "layers needs a state pool"
+        )
     if not isinstance(num_slots, int) or num_slots < 2:
         raise ValueError(f"num_slots={num_slots!r} must be an int >= 2 (slot {NULL_SLOT} is the null slot)")
-    return jnp.zeros(state_shape(len(cfg.recurrent_layers), num_slots, cfg.num_heads, cfg.head_dim), jnp.float32)
+    return jnp.zeros(state_shape(num_recurrent_layers, num_slots, num_heads, head_dim), jnp.float32)
 
 
 @jax.jit

@@ -29,11 +29,6 @@ CHUNK = 64
 """Tokens per chunk of the chunked form (steps of at most CHUNK tokens run as one chunk)."""
 
 
-def state_shape(num_recurrent_layers: int, num_seqs: int, num_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of the recurrent state of ``num_seqs`` sequences: [R, S, H, d, d] (float32)."""
-    return (num_recurrent_layers, num_seqs, num_heads, head_dim, head_dim)
-
-
 def projections(
     h: jax.Array,
     wq: jax.Array,
