@@ -10,8 +10,9 @@ is the previous prompt + the model's output + ``user_tokens`` new random ids; ev
 conversation opens with the same ``system_tokens`` system prompt. For each reuse policy and
 periodic snapshot interval the run reports the hit rate (reused / prompt tokens), the
 recomputed tokens, the state-pool memory, and beside them the attention-only match (what a
-pure-attention model would reuse) and a vLLM-like cell whose block is ``vllm_block_tokens``
-tokens with a snapshot only at block boundaries (so prompts shorter than a block never hit).
+pure-attention model would reuse, prompts served in the same order) and a vLLM-like cell
+whose block is ``vllm_block_tokens`` tokens with a snapshot only at block boundaries (so
+prompts shorter than a block never hit).
 """
 
 import ml_collections
@@ -41,7 +42,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     config.policies = ("all_reusable", "per_conversation")  # block_reuse_config.policy
     config.intervals = (0, 64, 256, 1024)  # periodic_snapshot_interval (tokens; 0 = off)
-    config.offsets_from_end = (0,)  # additional_snapshot_offsets_from_end (both policies)
+    # additional_snapshot_offsets_from_end per policy: all_reusable cells show the periodic
+    # interval alone (interval 0 = no snapshot, as a hybrid model without state reuse);
+    # per_conversation needs a boundary: the end of each prompt
+    config.offsets_from_end = ml_collections.ConfigDict({"all_reusable": (), "per_conversation": (0,)})
     config.max_num_turns = 4  # block_reuse_config.max_num_turns (per_conversation)
     config.max_snapshots = 512  # snapshot slots of the state pool
     config.vllm_block_tokens = 1024  # the vLLM-like cell's block (= its snapshot interval)

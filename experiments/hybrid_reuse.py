@@ -34,7 +34,8 @@ def hybrid_model(config: ml_collections.ConfigDict) -> Model:
 
 
 class AttentionMatch:
-    """Block-aligned prefixes of the sequences finished in earlier rounds: what a
+    """Block-aligned prefixes computed so far (earlier rounds' prompts and outputs, earlier
+    prompts of the same round, which prefix-aware scheduling lets later ones reuse): what a
     pure-attention model with the same cache would reuse (eviction ignored)."""
 
     def __init__(self, tokens_per_block: int) -> None:
@@ -64,7 +65,10 @@ def run_cell(
     rows, peak_snapshots = [], 0
     start = time.perf_counter()
     for turn in range(config.turns):
-        matches = [attention.match(h) for h in histories]
+        matches = []
+        for h in histories:
+            matches.append(attention.match(h))
+            attention.add(h)
         outs = engine.generate(histories, sampling)
         for c, (out, match) in enumerate(zip(outs, matches)):
             rows.append(dict(turn=turn + 1, conversation=c, prompt_tokens=len(out.prompt), reused_tokens=out.num_reused_tokens,
@@ -118,7 +122,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                 block_reuse_config={"policy": policy, "max_num_turns": config.max_num_turns},
                 mamba_state_config={
                     "periodic_snapshot_interval": interval,
-                    "additional_snapshot_offsets_from_end": list(config.offsets_from_end),
+                    "additional_snapshot_offsets_from_end": list(config.offsets_from_end[policy]),
                     "max_snapshots": config.max_snapshots,
                 },
             )
