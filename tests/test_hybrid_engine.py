@@ -159,3 +159,17 @@ def test_smollm2_ignores_the_recurrent_state_settings(smollm2, reference_text):
         assert a.output == b.output and a.num_reused_tokens == b.num_reused_tokens
         assert rel_err(np.stack(a.logits), np.stack(b.logits)) < 1e-6
     assert outs[1][1].num_reused_tokens > 0  # prefix reuse (partial block included) as without the settings
+
+
+def test_resume_with_windowed_attention_layers_is_exact():
+    """Attention layers with a 128-token window (their blocks before the window are released
+    as the sequence grows): a resumed request still equals full recompute."""
+    cfg = tiny_hybrid_config(num_layers=4, layer_types=("recurrent", "attention"), sliding_window=128)
+    model = Model(config=cfg, params=init_params(cfg, seed=5), tokenizer=None, path=pathlib.Path("tiny-hybrid-window"))
+    engine = make_engine(model, mamba_state_config={"periodic_snapshot_interval": 128})
+    assert engine.layout.num_groups == 1 and engine.layout.group_windows == (128,)
+    first = prompt(40, 560)
+    engine.generate([first], GREEDY)
+    [warm] = engine.generate([first[:530] + prompt(41, 20)], GREEDY)
+    assert warm.num_reused_tokens == 512
+    assert_matches_recompute(model, warm)

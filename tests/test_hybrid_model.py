@@ -161,3 +161,15 @@ def test_state_pool_ops(hybrid):
         init_state_pool(3, 1, 4, 16)
     with pytest.raises(ValueError, match="num_recurrent_layers=0 must be an int >= 1"):
         init_state_pool(len(tiny_config().recurrent_layers), 4, 4, 16)
+
+
+def test_gemma_style_hybrid_matches_numpy_oracle():
+    """Recurrent layers beside windowed, QK-normed, sandwich-normed GeGLU attention layers."""
+    cfg = tiny_hybrid_config(
+        num_layers=6, layer_types=("recurrent", "attention", "attention"), sliding_window=64, global_layer_period=3,
+        qk_norm=True, sandwich_norm=True, activation="gelu_tanh", embed_scale=True,
+    )
+    params = init_params(cfg, seed=4)
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, 520).astype(np.int32)
+    logits, _ = run_chunks(params, cfg, tokens, [300, 1, 219])
+    assert rel_err(logits, numpy_logits(params, cfg, tokens)) < 1e-5

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.config import KvCacheConfig
+from kvjax.config import ConfigError, KvCacheConfig, load_llm_config
 from kvjax.manager.events import EventBuffer
 from kvjax.manager.state_snapshots import NULL_SLOT, StateSnapshotIndex
 
@@ -101,3 +101,38 @@ def test_state_dict_round_trip():
     assert restored.store("b", key(9), 80) not in {s.slot for s in idx.snapshots()}
     with pytest.raises(ValueError, match="must be distinct"):
         index(max_snapshots=4).load_state_dict({**idx.state_dict(), "snapshots": [[key(1).hex(), 1, 16, 0, 1]]})
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(block_reuse_config={"policy": "per_conversation"}),
+         "block_reuse_config.policy='per_conversation' turns periodic snapshots off"),
+        (dict(block_reuse_config={"policy": "lru"}), r"block_reuse_config.policy='lru' must be one of"),
+        (dict(block_reuse_config={"max_num_turns": 0}), "block_reuse_config.max_num_turns=0 must be an int >= 1"),
+        (dict(mamba_state_config={"periodic_snapshot_interval": 48}),
+         "mamba_state_config.periodic_snapshot_interval=48 must be a multiple of tokens_per_block=32"),
+        (dict(mamba_state_config={"periodic_snapshot_interval": -32}),
+         "mamba_state_config.periodic_snapshot_interval=-32 must be an int >= 0"),
+        (dict(mamba_state_config={"additional_snapshot_offsets_from_end": [0, -1]}),
+         r"mamba_state_config.additional_snapshot_offsets_from_end=\(0, -1\) must be a list of ints >= 0"),
+        (dict(mamba_state_config={"additional_snapshot_offsets_from_start": 5}),
+         "mamba_state_config.additional_snapshot_offsets_from_start=5 must be a list"),
+        (dict(mamba_state_config={"max_snapshots": 0}), "mamba_state_config.max_snapshots=0 must be an int >= 1"),
+        (dict(mamba_state_config={"interval": 64}), r"mamba_state_config: unknown field\(s\) \['interval'\]"),
+        (dict(block_reuse_config="all_reusable"), "block_reuse_config='all_reusable' must be a BlockReuseConfig"),
+    ],
+)
+def test_config_errors_name_the_field(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        KvCacheConfig(**fields)
+
+
+def test_config_loads_from_yaml():
+    kv, _ = load_llm_config(
+        "kv_cache_config:\n  tokens_per_block: 16\n  block_reuse_config:\n    policy: per_conversation\n"
+        "    max_num_turns: 3\n  mamba_state_config:\n    additional_snapshot_offsets_from_end: [0, 64]\n"
+    )
+    assert kv.block_reuse_config.policy == "per_conversation" and kv.block_reuse_config.max_num_turns == 3
+    assert kv.mamba_state_config.additional_snapshot_offsets_from_end == (0, 64)
+    assert kv.content_fields()["mamba_state_config"]["additional_snapshot_offsets_from_end"] == [0, 64]
