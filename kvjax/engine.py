@@ -25,6 +25,15 @@ KV, scheduled like any other and charged the rows it recomputes; its whole promp
 ``chunks.prefill`` in step 3, beside the other prefills and the decode batch. The engine sees
 only the ``ChunkedPrompt`` protocol, so it never imports the blend package built on top of it.
 
+A hybrid model (recurrent layers, ``ModelConfig.layer_types``) also has a recurrent state
+pool (``self.state_pool``): each running request owns a live slot that its rows read before
+and write after each forward; a prefill chunk is cut at the snapshot boundaries of
+``mamba_state_config`` inside it and a decode snapshots when it crosses one, into snapshot
+slots keyed by the prefix's block key (``kvjax.manager.state_snapshots``). An admitted request
+resumes from the snapshot at its reused prefix (the manager stops reuse there), else from the
+zero state; a preempted request returns its slot and is recomputed on re-admission (from the
+deepest snapshot its prefix reaches).
+
 When a step cannot get pages, the scheduler preempts the newest running request (its
 blocks stay cached) and re-admits it later; no page another request owns is ever written.
 
