@@ -17,7 +17,7 @@ decay-weighted attention over the chunk plus the contribution of the state enter
 (a chunk of one token). Both compute in float32.
 
 Shapes: S = sequences, T = step tokens, C = chunk tokens, N = chunks, H = heads,
-d = head_dim (keys and values alike), R = recurrent layers.
+d = head_dim (keys and values alike).
 """
 
 from __future__ import annotations
