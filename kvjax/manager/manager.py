@@ -15,7 +15,8 @@ group, at most ``len(prompt) - 1`` tokens so the last prompt token is always com
 yields logits. A full-attention group needs every block of the prefix; a windowed group needs
 only the blocks inside the window of the prefix end, because a token at position p attends to
 positions ``(p - window, p]``. Blocks entirely before that window are released as the
-sequence grows (SPEC B7) and show ``NULL_PAGE`` in the block table.
+sequence grows (a windowed layer's memory is bounded by its window, not the sequence) and
+show ``NULL_PAGE`` in the block table.
 """
 
 from __future__ import annotations
@@ -607,7 +608,7 @@ class KVCacheManager:
             parent = root
             cached = pool.tree.blocks
             for b, key in enumerate(keys):
-                hit = cached.get(key)  # the digest, then its parent and tokens (RadixTree.match inlined)
+                hit = cached.get(key)  # the digest, then its parent and tokens (a hash collision must not match)
                 if hit is not None and (hit.parent_key != parent or hit.token_ids != prompt[b * ps : (b + 1) * ps]):
                     hit = None
                 hits.append(hit)

@@ -1,4 +1,8 @@
-"""Blocks and the radix search tree of one layer group (SPEC B2, B3).
+"""Blocks and the radix search tree of one layer group.
+
+Blocks of finished or running requests stay in the tree, so a new request walks it to find
+its longest reusable prefix; a block in use by any request (reference count > 0) is never
+evicted or overwritten, and a freed block stays reusable in the tree until evicted.
 
 The tree holds *full* blocks by key. Because a key chains over its parent's key, a lookup
 by key is a walk from the root; children are indexed by their parent key so that the tree
@@ -69,13 +73,6 @@ class RadixTree:
 
     def __len__(self) -> int:
         return len(self.blocks)
-
-    def match(self, key: BlockKey, parent_key: BlockKey, token_ids: tuple[int, ...]) -> Block | None:
-        """The cached block with this key, parent and tokens, or None."""
-        block = self.blocks.get(key)
-        if block is None or block.parent_key != parent_key or block.token_ids != token_ids:
-            return None
-        return block
 
     def get(self, key: BlockKey | None) -> Block | None:
         return None if key is None else self.blocks.get(key)
