@@ -1,4 +1,4 @@
-"""Block keys (SPEC B1) and multimodal content hashes (SPEC B9).
+"""Block keys and multimodal content hashes.
 
 A full block's key chains from its parent's key, so one key names a whole prefix::
 
@@ -30,7 +30,6 @@ import blake3
 BlockKey = bytes
 """A 32-byte BLAKE3 digest naming a block and, through the chain, its whole prefix."""
 
-KEY_BYTES = 32
 MAX_TOKEN_ID = 2**31 - 1
 """Token ids are hashed as int32, so they must lie in [0, MAX_TOKEN_ID]."""
 
@@ -49,7 +48,8 @@ class MultimodalItem:
       content: the raw bytes of the item (pixels, encoded file, ...).
       offset: index of the first placeholder token in the prompt, >= 0.
       length: number of placeholder tokens, >= 1.
-      uuid: a user identifier; None falls back to the content hash (SPEC B9).
+      uuid: a user identifier hashed with the content (one content under two UUIDs = two entries);
+        None = BLAKE3(content) alone.
     """
 
     modality: str

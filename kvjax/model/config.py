@@ -107,13 +107,3 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         """Whether some layer is recurrent (the forward then carries a recurrent state)."""
         return bool(self.recurrent_layers)
-
-    @property
-    def params_per_token_flops(self) -> int:
-        """Multiply-adds ×2 per token of the non-embedding matmuls (attention scores and the
-        recurrence excluded)."""
-        attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        recurrent = self.d_model * self.num_heads * (4 * self.head_dim + 1)
-        mlp = 3 * self.d_model * self.ffn_dim
-        num_recurrent = len(self.recurrent_layers)
-        return 2 * ((self.num_layers - num_recurrent) * (attn + mlp) + num_recurrent * (recurrent + mlp))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -76,6 +74,3 @@ def tiny_model(seed: int = 0, **overrides) -> tuple[ModelConfig, Params]:
     cfg = tiny_config(**overrides)
     return cfg, init_params(cfg, seed)
 
-
-def with_fields(cfg: ModelConfig, **changes) -> ModelConfig:
-    return dataclasses.replace(cfg, **changes)
