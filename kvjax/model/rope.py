@@ -1,7 +1,8 @@
 """Rotary position embeddings, half-rotation layout (as in HF Llama).
 
 Rotations compose: rotating a key computed at position p by delta gives the key at
-p + delta, which is how CacheBlend moves a stored chunk (SPEC C2).
+p + delta, which is how CacheBlend moves a stored chunk to a new start: the rotated keys equal
+keys computed at the new positions, up to float error.
 """
 
 from __future__ import annotations
