@@ -1,4 +1,4 @@
-"""How many pages the cache gets (SPEC A5).
+"""How many pages the cache gets.
 
 ``free_gpu_memory_fraction`` of the free device memory goes to the cache; with
 ``max_tokens`` also set, the smaller of the two sizes wins. On CPU the free memory is
