@@ -1,7 +1,7 @@
 """Validated, frozen configuration of the KV cache, its retention policy, the scheduler and
 speculative decoding.
 
-Field names and defaults follow TensorRT-LLM's ``KvCacheConfig`` (see SPEC A/B). Every
+Field names and defaults follow TensorRT-LLM's ``KvCacheConfig``. Every
 dataclass validates itself at construction: a bad value raises ``ConfigError`` naming the
 field, the value and what is allowed, so no half-built cache ever exists.
 
@@ -226,7 +226,7 @@ def _nested(cls: type, value: Any, field: str) -> Any:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KvCacheConfig:
-    """The KV cache: sizing, dtype, reuse, offload, windows and events (SPEC A, B).
+    """The KV cache: sizing, dtype, reuse, offload, windows and events.
 
     Attributes:
       tokens_per_block: tokens in one page/block (power of two, 1..1024).
@@ -390,7 +390,7 @@ class SchedulerConfig:
 
     Attributes:
       enable_prefix_aware_scheduling: defer a context request whose first chunk duplicates
-        one in flight, and charge only non-reused tokens to the budget (SPEC B10).
+        one in flight, and charge only non-reused tokens to the budget.
       max_num_tokens: token budget of one engine step (prefill chunks + decode tokens).
       max_batch_size: most sequences in one step.
       prefill_chunk_size: longest prefill chunk of one request in one step (tokens).
