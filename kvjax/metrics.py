@@ -1,4 +1,4 @@
-"""Quality and cost of a KV-reuse policy, measured against full recompute (SPEC C8).
+"""Quality and cost of a KV-reuse policy, measured against full recompute.
 
 Host-side numpy functions over arrays read back from the device:
 
