@@ -1,5 +1,5 @@
 """Host-side KV cache manager: block keys, radix tree, priority-LRU eviction, host offload,
-windows, events and the prefix-aware scheduler (SPEC B1-B11)."""
+windows, events and the prefix-aware scheduler."""
 
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import InternalScope, MultimodalItem, block_key, mm_hash, root_key
