@@ -1,4 +1,4 @@
-"""Priority-LRU free-block queues (SPEC B4), one per layer group and tier.
+"""Priority-LRU free-block queues, one per layer group and tier.
 
 Order: the lowest priority first; within a priority, the block released longest ago
 (``last_used``, a tick taken when its reference count drops to zero). The queue is a binary
