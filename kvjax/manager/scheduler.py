@@ -1,4 +1,4 @@
-"""Step scheduler with prefix-aware admission (SPEC B10), host-only.
+"""Step scheduler with prefix-aware admission, host-only.
 
 Each step: running requests go first, oldest first (a decode token, or their next prefill
 chunk); then waiting requests are admitted in arrival order while the token budget
