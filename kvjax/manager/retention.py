@@ -1,4 +1,4 @@
-"""Block priorities and their expiry, from a request's ``KvCacheRetentionConfig`` (SPEC B4).
+"""Block priorities and their expiry, from a request's ``KvCacheRetentionConfig``.
 
 Every token of a sequence has a priority: the priority of the token range covering it
 (a range with ``token_end=None`` covers generated tokens too), else the decode priority for
