@@ -1,4 +1,4 @@
-"""KV cache events (SPEC B8): what entered, left or changed in the reuse cache.
+"""KV cache events: what entered, left or changed in the reuse cache.
 
 Consumers (routers, cache-aware load balancers) mirror the tree from this stream. Events are
 kept in a bounded buffer of ``event_buffer_max_size``; when it is full the oldest event is
