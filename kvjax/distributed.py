@@ -1,4 +1,4 @@
-"""Scale-out: the page pool, the weights and the forward over a JAX device mesh (SPEC F1).
+"""Scale-out: the page pool, the weights and the forward over a JAX device mesh.
 
 Mesh axes (fixed here, used by every ``PartitionSpec`` in this module)::
 
