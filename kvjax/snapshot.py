@@ -1,4 +1,4 @@
-"""Orbax snapshots of the whole cache state of an engine (SPEC E4).
+"""Orbax snapshots of the whole cache state of an engine.
 
 A snapshot step holds the arrays (device page pools, the host tier's pools, a hybrid model's
 recurrent state pool) and one JSON metadata file: ``{"document": ..., "blake3": ...}``. The
