@@ -1,4 +1,4 @@
-"""Sharded runs on 8 simulated CPU devices equal one-device runs (SPEC F1).
+"""Sharded runs on 8 simulated CPU devices equal one-device runs.
 
 The rest of the suite initializes JAX with one CPU device, and the device count is fixed
 when JAX starts, so each check here runs in a fresh ``python -c`` subprocess with
