@@ -1,4 +1,4 @@
-"""Seeded synthetic RAG prompts whose answers need the chunks to see each other (SPEC E2).
+"""Seeded synthetic RAG prompts whose answers need the chunks to see each other.
 
 Each example is a shared system prefix, 3-8 retrieved chunks of 64-512 tokens (filler prose
 around one planted fact, or only filler for distractors), and a question. Tasks:
