@@ -1,4 +1,5 @@
-"""The manager's whole host state as plain data (the host part of an engine snapshot), and its invariants.
+"""The manager's whole host state as plain data (the host part of an engine snapshot),
+and its invariants.
 
 ``state_dict`` returns JSON-compatible Python (dicts, lists, str, int, float, bool, None):
 keys and digests as hex strings, retention expiries as seconds *remaining* (the clock is
