@@ -18,8 +18,11 @@ from tqdm import tqdm
 
 from experiments import report
 from experiments.timing import decode_step_seconds, machine_limits
+from experiments.workloads.trace import make_trace, replay, sim_layout
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
+from kvjax.manager import KVCacheManager
+from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.model.registry import load_model
 from kvjax.sampling import SamplingParams
 
@@ -71,6 +74,53 @@ def measure(engine: Engine, config: ml_collections.ConfigDict, rng: np.random.Ge
     return rows
 
 
+def decode_tokens_per_s(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -> float:
+    """Submits ``prompts`` together, steps until every one has its first token (not timed),
+    then returns the tokens generated per wall second by the remaining steps (with Manager V2
+    one step may emit several tokens per sequence)."""
+    ids = [engine.submit(p, sampling) for p in prompts]
+    while any(engine.requests[i].first_token_time is None for i in ids):
+        engine.step()
+    emitted = sum(len(engine.requests[i].sched.output_token_ids) for i in ids)
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    seconds = time.perf_counter() - start
+    return (sum(len(engine.requests[i].sched.output_token_ids) for i in ids) - emitted) / seconds
+
+
+def measure_v2(engines: dict[str, Engine], config: ml_collections.ConfigDict, rng: np.random.Generator) -> dict[str, tuple[float, float]]:
+    """One round of the decode tokens/s rows: per batch, the same prompts through every engine."""
+    vocab = config.vocab_size
+    sampling = SamplingParams(max_new_tokens=config.decode_tokens + 1, ignore_eos=True)
+    rows = {}
+    for batch in config.decode_batches:
+        prompts = [rng.integers(3, vocab, config.decode_context).tolist() for _ in range(batch)]
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            rows[f"decode_b{batch}_tok_s_{name}"] = (decode_tokens_per_s(engine, prompts, sampling), time.perf_counter() - start)
+    return rows
+
+
+def hit_rates(config: ml_collections.ConfigDict, vocab_size: int) -> list[dict]:
+    """Block and token hit rates of V1 (LRU, priority-LRU) and V2 (LRU) replaying the trace."""
+    cfg = ml_collections.ConfigDict({**config.hit_trace.to_dict(), "tokens_per_block": config.kv_cache.tokens_per_block})
+    trace = make_trace(cfg, vocab_size)
+    kv = KvCacheConfig(tokens_per_block=cfg.tokens_per_block)
+    rows = []
+    for name, manager, priorities in (
+        ("V1 priority-LRU", KVCacheManager(kv, sim_layout(cfg)), True),
+        ("V1 LRU", KVCacheManager(kv, sim_layout(cfg)), False),
+        ("V2 LRU", KVCacheManagerV2(kv, sim_layout(cfg), max_seqs=1), False),
+    ):
+        start = time.perf_counter()
+        result = replay(manager, trace, priorities=priorities)
+        rows.append({"manager": name, "requests": len(trace), "device_pages": cfg.num_device_pages - 1,
+                     "block_hit_rate": result.block_hit_rate, "token_hit_rate": result.token_hit_rate,
+                     "replay_s": time.perf_counter() - start})
+    return rows
+
+
 def measure_peer(config: ml_collections.ConfigDict, max_seq_len: int) -> dict[str, float]:
     """vLLM CPU on the same rows in a subprocess (its own venv): row name -> median value."""
     spec = {
@@ -97,11 +147,20 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(**config.scheduler.to_dict()),
         max_seq_len=max_seq_len, attn_impl=config.attn_impl,
     )
+    decode_engines = {"v1": engine} | {
+        f"v2_n{n}": Engine(
+            model, KvCacheConfig(**config.kv_cache.to_dict(), use_kv_cache_manager_v2="true"),
+            SchedulerConfig(**config.scheduler.to_dict(), num_decode_steps_per_dispatch=n),
+            max_seq_len=max_seq_len, attn_impl=config.attn_impl,
+        )
+        for n in config.v2_decode_steps_per_dispatch
+    }
     rng = np.random.default_rng(config.seed)
     limits = machine_limits()
     samples: dict[str, list[tuple[float, float]]] = {}
+    v2_config = ml_collections.ConfigDict({**config.to_dict(), "vocab_size": model.config.vocab_size})
     for round_ in tqdm(range(config.warmup + config.repeats), desc="bench_engine rounds"):
-        measured = measure(engine, config, rng)
+        measured = measure(engine, config, rng) | measure_v2(decode_engines, v2_config, rng)
         if round_ >= config.warmup:
             for name, value in measured.items():
                 samples.setdefault(name, []).append(value)
@@ -121,7 +180,11 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
             if name in peer:
                 row["vllm_here"] = peer[name]
                 row["kvjax_over_vllm_here"] = value / peer[name] if lower_is_better else peer[name] / value
+        if name.startswith("decode_b") and "_tok_s_" in name:
+            row["unit"] = "tok/s"
         rows.append(row)
+    hits = hit_rates(config, model.config.vocab_size)
+    report.write_csv(workdir / "hit_rates.csv", hits, list(hits[0]))
     columns = ["row", "unit", "kvjax", "vllm_cpu", "kvjax_over_vllm", "vllm_scaled", "kvjax_over_vllm_scaled", "wall_s"]
     if peer:
         columns[2:2] = ["vllm_here", "kvjax_over_vllm_here"]
@@ -137,5 +200,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         + ("vllm_here: vLLM CPU 0.32.0 measured in this run, on this machine, just before kvjax (same rows, "
            "sizes and rounds); kvjax_over_vllm_here is the side-by-side ratio.\n" if peer else "")
     )
-    report.write_summary(workdir, "bench_engine — engine speed vs vLLM CPU", [("Setup", note), ("Rows", table)])
-    return {"rows": rows, "machine": limits, "device": jax.devices()[0].device_kind}
+    hit_table = report.markdown_table(hits, list(hits[0]))
+    report.write_summary(workdir, "bench_engine — engine speed vs vLLM CPU",
+                         [("Setup", note), ("Rows", table), ("Manager V1 vs V2 hit rates (eviction trace)", hit_table)])
+    return {"rows": rows, "hit_rates": hits, "machine": limits, "device": jax.devices()[0].device_kind}
