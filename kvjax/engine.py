@@ -34,6 +34,12 @@ resumes from the snapshot at its reused prefix (the manager stops reuse there), 
 zero state; a preempted request returns its slot and is recomputed on re-admission (from the
 deepest snapshot its prefix reaches).
 
+With Manager V2 (``use_kv_cache_manager_v2``, see ``choose_manager_v2``) the manager is
+``kvjax.manager.manager_v2.KVCacheManagerV2``, whose allocation state lives on the device;
+the same scheduler drives it, and a step in which every running request decodes (nothing
+admissible waits) runs on the device instead: ``num_decode_steps_per_dispatch`` tokens per
+request from one dispatch of ``kvjax.decode.decode_steps``.
+
 When a step cannot get pages, the scheduler preempts the newest running request (its
 blocks stay cached) and re-admits it later; no page another request owns is ever written.
 
