@@ -7,6 +7,7 @@ engine in the same run.
 
     python -m experiments.run --config=configs/bench_manager.py
     python -m experiments.run --config=configs/bench_manager.py --config.model_steps.enabled=False  # host only
+    python -m experiments.run --config=configs/bench_manager.py:tiny  # smoke run (seconds)
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ import ml_collections
 from configs import eviction
 
 
-def get_config() -> ml_collections.ConfigDict:
-    """Defaults: 12k requests, ~1 minute of replays plus ~1 minute on SmolLM2 (2-core CPU)."""
-    config = eviction.get_config()  # the same trace and manager sizing as the eviction experiment
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    """Defaults: 12k requests, ~1 minute of replays plus ~1 minute on SmolLM2 (2-core CPU).
+
+    Args:
+      preset: "" (defaults) or "tiny": the eviction experiment's tiny trace, 4 requests in
+        flight and a 64-token, batch-2 model step, for smoke tests.
+    """
+    config = eviction.get_config(preset)  # the same trace and manager sizing as the eviction experiment
     config.experiment = "bench_manager"  # module experiments.bench_manager
-    config.trace.num_requests = 12000  # requests in the trace
+    if not preset:
+        config.trace.num_requests = 12000  # requests in the trace
     config.concurrency = 8  # requests in flight in the manager-only replay (decode round-robin)
     config.scheduler = ml_collections.ConfigDict()
     config.scheduler.max_batch_size = 8  # scheduler replay: sequences per step
@@ -34,4 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model_steps.new_tokens = 16  # decode steps timed per request
     config.model_steps.max_seq_len = 1024  # engine max_seq_len, tokens
     config.model_steps.max_tokens = 16384  # engine device cache, tokens
+    if preset == "tiny":
+        config.concurrency = 4
+        config.model_steps.update(prompt_tokens=64, batch_size=2, new_tokens=3, max_seq_len=256, max_tokens=256)
     return config

@@ -20,7 +20,6 @@ import ml_collections
 from experiments.workloads import niah, rag
 
 _SLICE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "squad_new_wiki_slice.json"
-SELECTORS = ("cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "learned", "random")
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
@@ -56,10 +55,14 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.policy.query_rows = 64  # last suffix rows whose attention scores tokens (query-aware, learned)
     config.policy.row_bucket = 128  # recomputed-row capacities round up to this (fewer compiled shapes)
 
-    config.policies = ("full_recompute", "prefix_caching", "full_reuse", *SELECTORS, "oracle")  # compared at the ratio
     config.sweep = ml_collections.ConfigDict()
     config.sweep.ratios = (0.05, 0.15, 0.3, 0.5)  # quality-vs-ratio curves
-    config.sweep.policies = SELECTORS  # selectors swept
+    config.sweep.policies = (
+        "cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "learned", "random",
+    )  # selectors swept (names from kvjax.blend.selection.SELECTORS)
+    config.policies = (
+        "full_recompute", "prefix_caching", "full_reuse", *config.sweep.policies, "oracle",
+    )  # compared at the ratio
     config.sweep.num_prompts = 2  # first evaluation prompts used by the sweep (0 = skip)
 
     config.learned = ml_collections.ConfigDict()

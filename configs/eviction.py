@@ -3,6 +3,7 @@ without host offload (manager-only sweep, then a short check through the real en
 
     python -m experiments.run --config=configs/eviction.py
     python -m experiments.run --config=configs/eviction.py --config.engine.enabled=False  # simulation only
+    python -m experiments.run --config=configs/eviction.py:tiny  # smoke run (seconds)
 """
 
 from __future__ import annotations
@@ -10,8 +11,13 @@ from __future__ import annotations
 import ml_collections
 
 
-def get_config() -> ml_collections.ConfigDict:
-    """Defaults: a 10k-request trace in ~30 s of simulation plus ~1 min on SmolLM2 (2-core CPU)."""
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    """Defaults: a 10k-request trace in ~30 s of simulation plus ~1 min on SmolLM2 (2-core CPU).
+
+    Args:
+      preset: "" (defaults) or "tiny": a 600-request trace on 64 device pages and a 6-request
+        engine replay on 8 pages, for smoke tests.
+    """
     config = ml_collections.ConfigDict()
     config.experiment = "eviction"  # module experiments.eviction
     config.model = "smollm2-135m"  # registry name of the engine check: smollm2-135m | gemma3-270m
@@ -53,4 +59,16 @@ def get_config() -> ml_collections.ConfigDict:
     config.engine.trace.turn_tokens = 24  # new user turn tokens
     config.engine.trace.num_active_chats = 3  # chats in progress
     config.engine.trace.max_turns = 3  # turns per chat at most
+    if preset == "tiny":
+        config.num_device_pages = 65
+        config.host_pages = (0, 64)
+        config.disk_pages = (0, 256)
+        config.trace.update(num_requests=600, num_documents=120, document_tokens=128, system_tokens=64,
+                            question_tokens=32, turn_tokens=32, chat_output_tokens=16, doc_output_tokens=4,
+                            num_active_chats=8, max_turns=3)
+        config.engine.update(max_tokens=256, max_seq_len=256, host_cache_mb=7.1)  # 8 device pages, 5 host pages
+        config.engine.trace.update(num_requests=6, num_documents=3, document_tokens=48, question_tokens=16,
+                                   turn_tokens=16, num_active_chats=1, max_turns=2)
+    elif preset:
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")
     return config

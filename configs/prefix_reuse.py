@@ -6,6 +6,7 @@ run reports TTFT of both, token/block hit rates, and whether greedy outputs agre
 
     python -m experiments.run --config=configs/prefix_reuse.py
     python -m experiments.run --config=configs/prefix_reuse.py --config.model=gemma3-270m
+    python -m experiments.run --config=configs/prefix_reuse.py:tiny  # smoke run (seconds)
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ from __future__ import annotations
 import ml_collections
 
 
-def get_config() -> ml_collections.ConfigDict:
-    """Defaults: ~2 minutes on SmolLM2 on a 2-core CPU (one compile pass, one measured pass)."""
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    """Defaults: ~2 minutes on SmolLM2 on a 2-core CPU (one compile pass, one measured pass).
+
+    Args:
+      preset: "" (defaults) or "tiny": one short system prompt with 3 questions and one
+        2-turn chat, 2 new tokens each, 256-token sequences, for smoke tests.
+    """
     config = ml_collections.ConfigDict()
     config.experiment = "prefix_reuse"  # module experiments.prefix_reuse
     config.model = "smollm2-135m"  # registry name: smollm2-135m (chat template) | gemma3-270m (plain text)
@@ -34,4 +40,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.scheduler = ml_collections.ConfigDict()
     config.scheduler.max_num_tokens = 1024  # token budget per step
     config.scheduler.prefill_chunk_size = 1024  # prompts prefill in one chunk
+    if preset == "tiny":
+        config.update(num_system_prompts=1, questions_per_system=3, num_chats=1, turns=2, system_sentences=4,
+                      max_new_tokens=2, max_seq_len=256)
+        config.kv_cache.update(tokens_per_block=32, max_tokens=256)
+        config.scheduler.update(max_num_tokens=256, prefill_chunk_size=256)
+    elif preset:
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")
     return config

@@ -1,9 +1,9 @@
-"""The reuse experiments (prefix_reuse, eviction, bench_manager) on tiny settings: each writes
-its tables and plot, and its numbers satisfy what they claim.
+"""The reuse experiments (prefix_reuse, eviction, bench_manager) on their ``tiny`` presets: each
+writes its tables and plot, and its numbers satisfy what they claim.
 
-All engine runs use one cache layout (32 tokens/block, 8 pages, max_seq_len 256) and keep
-every sequence within 128 tokens, so the few jitted step shapes compile once for the whole
-file; 8 pages also put the eviction check under memory pressure.
+The presets' engine runs share one cache layout (32 tokens/block, 8 pages, max_seq_len 256)
+and keep every sequence within 128 tokens, so the few jitted step shapes compile once for the
+whole file; 8 pages also put the eviction check under memory pressure.
 """
 
 from __future__ import annotations
@@ -17,25 +17,8 @@ from configs import eviction as eviction_config
 from configs import prefix_reuse as prefix_reuse_config
 from experiments import bench_manager, eviction, prefix_reuse
 
-LAYOUT = {"tokens_per_block": 32, "max_tokens": 256}
-MAX_SEQ_LEN = 256
-
-
-def small_trace(config) -> None:
-    config.num_device_pages = 65
-    config.host_pages = (0, 64)
-    config.disk_pages = (0, 256)
-    config.trace.update(num_requests=600, num_documents=120, document_tokens=128, system_tokens=64,
-                        question_tokens=32, turn_tokens=32, chat_output_tokens=16, doc_output_tokens=4,
-                        num_active_chats=8, max_turns=3)
-
-
 def test_prefix_reuse_warm_beats_cold_and_agrees(tmp_path):
-    config = prefix_reuse_config.get_config()
-    config.update(num_system_prompts=1, questions_per_system=3, num_chats=1, turns=2, system_sentences=4,
-                  max_new_tokens=2, max_seq_len=MAX_SEQ_LEN)
-    config.kv_cache.update(LAYOUT)
-    config.scheduler.update(max_num_tokens=MAX_SEQ_LEN, prefill_chunk_size=MAX_SEQ_LEN)
+    config = prefix_reuse_config.get_config("tiny")
     results = prefix_reuse.run(config, tmp_path)
     rows = results["rows"]
     assert len(rows) == 5
@@ -51,11 +34,7 @@ def test_prefix_reuse_warm_beats_cold_and_agrees(tmp_path):
 
 
 def test_eviction_orders_policies_and_engine_matches_simulation(tmp_path):
-    config = eviction_config.get_config()
-    small_trace(config)
-    config.engine.update(max_tokens=LAYOUT["max_tokens"], max_seq_len=MAX_SEQ_LEN, host_cache_mb=7.1)  # 5 host pages
-    config.engine.trace.update(num_requests=6, num_documents=3, document_tokens=48, question_tokens=16,
-                               turn_tokens=16, num_active_chats=1, max_turns=2)
+    config = eviction_config.get_config("tiny")
     results = eviction.run(config, tmp_path)
     by = {(r["policy"], r["host_pages"], r["disk_pages"]): r for r in results["simulation"]}
     for tiers in ((0, 0), (64, 0), (64, 256)):
@@ -79,6 +58,12 @@ def test_eviction_orders_policies_and_engine_matches_simulation(tmp_path):
     assert (tmp_path / "engine.csv").exists() and (tmp_path / "simulation.csv").exists()
 
 
+@pytest.mark.parametrize("config_module", [prefix_reuse_config, eviction_config, bench_manager_config])
+def test_unknown_preset_is_an_error(config_module):
+    with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: '' .default. or 'tiny'"):
+        config_module.get_config("huge")
+
+
 def test_belady_is_optimal_on_a_known_sequence():
     a, b, c = (bytes([i]) * 32 for i in range(3))
     # capacity 2: MIN keeps a and b, bypasses c, and hits a, b, a
@@ -88,11 +73,7 @@ def test_belady_is_optimal_on_a_known_sequence():
 
 
 def test_bench_manager_host_cost_is_far_below_the_model_step(tmp_path):
-    config = bench_manager_config.get_config()
-    small_trace(config)
-    config.concurrency = 4
-    config.model_steps.update(prompt_tokens=64, batch_size=2, new_tokens=3, max_seq_len=MAX_SEQ_LEN,
-                              max_tokens=LAYOUT["max_tokens"])
+    config = bench_manager_config.get_config("tiny")
     results = bench_manager.run(config, tmp_path)
     for row in results["ops"]:
         assert all(row[f"us_per_{k}_block"] > 0 and row[f"{k}_blocks"] > 0 for k in eviction.OP_KINDS)

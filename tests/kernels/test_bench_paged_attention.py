@@ -1,4 +1,4 @@
-"""The paged-attention benchmark runs end to end on a tiny config and writes its three files."""
+"""The paged-attention benchmark runs end to end on its ``tiny`` preset and writes its three files."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from experiments.bench_paged_attention import run
 
 
 def test_bench_writes_results(tmp_path):
-    config = get_config()
-    config.update(num_seqs=2, context_lens=(32, 64), num_heads=4, num_kv_heads=2, head_dim=16, page_size=8,
-                  warmup=1, iters=2)
+    config = get_config("tiny")
     results = run(config, tmp_path)
     assert config.experiment == "bench_paged_attention"
     assert [row["context_len"] for row in results["rows"]] == [32, 64]
