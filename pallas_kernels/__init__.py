@@ -8,4 +8,17 @@ Axis names used across the kernels (one letter each in einsums):
   g  group           query heads per KV head
   d  head_dim
 Page pools are ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer.
+
+Layout (imports point down only)::
+
+    paged_attention/     decode: one query row per sequence at ``length - 1``; its reference
+                         and TPU entry run partial_attention's with that one row
+    partial_attention/   query rows at arbitrary positions: reference, TPU and GPU kernels,
+                         the blocked XLA path and row attention over contiguous K/V
+    common.py            validation, row layout and the online-softmax step of every kernel
+    gpu_common.py        Triton tiling limits and scale gathers of both GPU kernels
+    tuned_sizes.py       block sizes per (backend, op)
+
+``partial_attention`` imports nothing from ``paged_attention``; the package imports nothing
+from ``kvjax``, ``experiments`` or ``tests``.
 """

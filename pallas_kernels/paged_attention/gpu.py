@@ -22,9 +22,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention.tuned_sizes import block_sizes
-from pallas_kernels.partial_attention import common
-from pallas_kernels.partial_attention.gpu import MIN_DOT_ROWS, check_gpu_shapes, gather_scales, is_power_of_two
+from pallas_kernels import common
+from pallas_kernels.gpu_common import MIN_DOT_ROWS, check_gpu_shapes, gather_scales, is_power_of_two
+from pallas_kernels.tuned_sizes import block_sizes
 
 
 def _kernel(

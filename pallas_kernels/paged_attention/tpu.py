@@ -12,8 +12,8 @@ import functools
 
 import jax
 
-from pallas_kernels.paged_attention.tuned_sizes import block_sizes
 from pallas_kernels.partial_attention import tpu as partial_tpu
+from pallas_kernels.tuned_sizes import block_sizes
 
 
 @functools.partial(

@@ -23,44 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention.tuned_sizes import block_sizes
-from pallas_kernels.partial_attention import common
-
-MIN_DOT_ROWS = 16
-
-
-def is_power_of_two(n: int) -> bool:
-    """True for 1, 2, 4, ..."""
-    return n >= 1 and n & (n - 1) == 0
-
-
-def check_gpu_shapes(page_size: int, head_dim: int, pages_per_block: int) -> None:
-    """Raises ValueError unless Triton can tile the sizes: powers of two, dot dims >= 16."""
-    for name, value in (("page_size", page_size), ("head_dim", head_dim), ("pages_per_block", pages_per_block)):
-        if not is_power_of_two(value):
-            raise ValueError(f"{name}={value} must be a power of two for the Triton GPU kernel")
-    if head_dim < MIN_DOT_ROWS:
-        raise ValueError(f"{head_dim=} must be >= {MIN_DOT_ROWS} (smallest tl.dot) for the Triton GPU kernel")
-    if pages_per_block * page_size < MIN_DOT_ROWS:
-        raise ValueError(
-            f"{pages_per_block=} times {page_size=} must be >= {MIN_DOT_ROWS} (smallest tl.dot) "
-            "for the Triton GPU kernel"
-        )
-
-
-def gather_scales(scale_refs: list, pages: jax.Array, page_size: int) -> dict[str, jax.Array]:
-    """The softmax step's ``k_scale`` / ``v_scale`` [1, block_k] for ``pages`` [P] (none for float pages).
-
-    Args:
-      scale_refs: [] or [k_scales_ref, v_scales_ref], each [num_pages, page_size or 1] (one KV head).
-    """
-    if not scale_refs:
-        return {}
-    k_scales_ref, v_scales_ref = scale_refs
-    shape = (pages.shape[0], page_size)
-    row = lambda ref: jnp.broadcast_to(ref[pages], shape).reshape(1, shape[0] * page_size)  # noqa: E731
-    return {"k_scale": row(k_scales_ref), "v_scale": row(v_scales_ref)}
-
+from pallas_kernels import common
+from pallas_kernels.gpu_common import MIN_DOT_ROWS, check_gpu_shapes, gather_scales, is_power_of_two
+from pallas_kernels.tuned_sizes import block_sizes
 
 def _kernel(
     q_ref,  # [block_rows, head_dim]

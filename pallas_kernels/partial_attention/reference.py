@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels.common import MASK_VALUE
 
 
 def gather_pages(pages: jax.Array, page_indices: jax.Array, scales: jax.Array | None = None) -> jax.Array:

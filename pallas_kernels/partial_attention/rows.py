@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.partial_attention.reference import MASK_VALUE
+from pallas_kernels.common import MASK_VALUE
 
 BLOCK_Q = 64
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""

@@ -26,8 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention.tuned_sizes import block_sizes
-from pallas_kernels.partial_attention import common
+from pallas_kernels import common
+from pallas_kernels.tuned_sizes import block_sizes
 
 InterpretArg = bool | pltpu.InterpretParams
 

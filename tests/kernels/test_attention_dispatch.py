@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from kvjax import attention
-from paged_inputs import assert_close, make_inputs
+from kvjax.testing.paged_inputs import assert_close, make_inputs
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 

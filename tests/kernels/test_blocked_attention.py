@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_inputs import assert_close, make_inputs
+from kvjax.testing.paged_inputs import assert_close, make_inputs
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention import blocked
 from pallas_kernels.partial_attention.reference import partial_attention_ref

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from paged_inputs import assert_close, make_inputs
+from kvjax.testing.paged_inputs import assert_close, make_inputs
 from pallas_kernels.paged_attention import gpu, tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from paged_inputs import assert_close, make_inputs
+from kvjax.testing.paged_inputs import assert_close, make_inputs
 from pallas_kernels.partial_attention import gpu, tpu
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 

@@ -17,7 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvjax import attention
 from kvjax.cache import QuantizedPages
-from paged_inputs import assert_close, make_inputs, quantize_inputs
+from kvjax.testing.paged_inputs import assert_close, make_inputs, quantize_inputs
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref

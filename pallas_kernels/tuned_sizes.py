@@ -2,7 +2,7 @@
 
 Starting points for memory-bound decode, not yet swept on hardware: KV blocks of 512
 tokens per loop step on TPU (few, large DMAs) and 64 on GPU (a [16, 64] logits tile stays in
-registers). ``pallas_kernels/device_check.sh`` times the GPU decode entry on a lent device.
+registers). ``experiments/device_check.sh`` times the GPU decode entry on a lent device.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@
 #      page_size 16) for a few (pages_per_block, k_splits), the XLA reference and contiguous
 #      attention, as achieved HBM bytes/s against the measured device-to-device copy bandwidth.
 # Writes $OUT/device_check.md and $OUT/device_check.json (OUT defaults to ./device_check_out).
-# Run from anywhere:  bash pallas_kernels/device_check.sh
+# Run from anywhere:  bash experiments/device_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/device_check_out}"
 mkdir -p "$OUT"
 export OUT
-export PYTHONPATH="$PWD:$PWD/tests/kernels${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 python - <<'EOF'
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench_paged_attention import contiguous_decode
-from paged_inputs import TOLERANCE, make_inputs
+from kvjax.testing.paged_inputs import TOLERANCE, make_inputs
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention import gpu as partial_gpu

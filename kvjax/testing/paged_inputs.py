@@ -1,6 +1,6 @@
 """Random paged-attention inputs with poisoned (NaN) memory wherever a kernel must not look.
 
-Pools are tiny: page 0 plays the null page and a few spare pages are never referenced;
+Pools are tiny: ``NULL_PAGE`` (page 0) is the null page and a few spare pages are never referenced;
 all of them hold NaN. Each block table is a random permutation of real pages; entries
 past a sequence's length, and pages that lie wholly outside every query's window, point
 at the null page. Slots past the length inside a sequence's last page are NaN as well.
@@ -15,7 +15,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-NULL_PAGE = 0
+from kvjax.cache import NULL_PAGE
+from kvjax.cache.quant import KV_STORAGE_DTYPES, absmax_scale, quantize
+
 SPARE_PAGES = 2
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
 
@@ -142,8 +144,6 @@ class QuantizedInputs:
 
 def quantize_inputs(inputs: PagedInputs, dtype: str, granularity: str) -> QuantizedInputs:
     """Absmax quantization of ``inputs``' pages per (slot, KV head) or per (page, KV head)."""
-    from kvjax.cache.quant import KV_STORAGE_DTYPES, absmax_scale, quantize
-
     storage = KV_STORAGE_DTYPES[dtype]
 
     def one(pages: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
