@@ -3,6 +3,7 @@ and how many distinct prompts stay reusable with a host tier.
 
     python -m experiments.run --config=configs/bench_memory.py
     python -m experiments.run --config=configs/bench_memory.py --config.windows.lengths='(1024, 2048, 4096, 8192)'
+    python -m experiments.run --config=configs/bench_memory.py:tiny  # smoke run
 
 Three parts, side by side in one run folder (``memory.md`` table, ``memory.png`` plot):
   attention  MHA / GQA / MQA on SmolLM2's geometry, per KV dtype (float32, bfloat16, and
@@ -19,7 +20,11 @@ The default takes about 8 minutes on 2 CPU cores (mostly compiling the engines' 
 import ml_collections
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    """Args:
+      preset: "" (defaults) or "tiny": two dtypes, one 512-token SmolLM2 request, 8 offload
+        prompts with 0 or 1 x the device cache as host cache, for smoke runs.
+    """
     config = ml_collections.ConfigDict()
     config.experiment = "bench_memory"  # module experiments.bench_memory
     config.seed = 0  # random prompt tokens
@@ -47,4 +52,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.offload.num_prompts = 40  # distinct prompts filled in turn
     config.offload.prompt_tokens = 128  # tokens per prompt (4 blocks of 32)
     config.offload.tokens_per_block = 32  # page size
+    if preset == "tiny":
+        config.attention.dtypes = ("float32", "int8")
+        config.windows.update(lengths=(512,), models=("smollm2-135m",), prefill_chunk_size=512)
+        config.offload.update(device_tokens=256, host_multiples=(0, 1), num_prompts=8)
+    elif preset:
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")
     return config

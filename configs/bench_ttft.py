@@ -2,6 +2,7 @@
 
     python -m experiments.run --config=configs/bench_ttft.py
     python -m experiments.run --config=configs/bench_ttft.py --config.lengths='(512, 1024)' --config.repeats=5
+    python -m experiments.run --config=configs/bench_ttft.py:tiny  # smoke run: one 256-token length
 
 For every prompt length, in one run on SmolLM2-135M:
   cold        a fresh prompt through the engine (nothing reusable);
@@ -19,7 +20,11 @@ rounds); ``--config.lengths='(256, 1024)' --config.repeats=2`` is a quicker look
 import ml_collections
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    """Args:
+      preset: "" (defaults) or "tiny": one 256-token length, one hit fraction, one blend
+        ratio, one timed round.
+    """
     config = ml_collections.ConfigDict()
     config.experiment = "bench_ttft"  # module experiments.bench_ttft
     config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m
@@ -46,4 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.blend.budgets = (2.0, 1.5, 1.0)  # rows kept after each check, in units of the target
     config.blend.row_bucket = 64  # recomputed-row capacities round up to this
     config.blend.token_bucket = 256  # prompt lengths pad to a multiple of this
+    if preset == "tiny":
+        config.update(lengths=(256,), hit_fractions=(0.5,), blend_ratios=(0.15,), repeats=1)
+    elif preset:
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")
     return config

@@ -1,12 +1,16 @@
 """Generate from a prompt on the real model; report prefill/decode speed and KV bytes/token.
 
     python -m experiments.run --config=configs/generate.py --config.prompt="Why is the sky blue?"
+    python -m experiments.run --config=configs/generate.py:tiny  # smoke run: 4 tokens, one repeat
 """
 
 import ml_collections
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    """Args:
+      preset: "" (defaults) or "tiny": 4 new tokens, one timed repeat, a 1024-token cache.
+    """
     config = ml_collections.ConfigDict()
     config.experiment = "generate"  # module experiments.generate
     config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m
@@ -24,4 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.kv_cache.max_tokens = 16384  # cache capacity in tokens (smaller of this and the memory fraction)
     config.kv_cache.free_gpu_memory_fraction = 0.9  # share of free memory for the cache
     config.kv_cache.enable_block_reuse = False  # cold runs: every repeat pays the full prefill
+    if preset == "tiny":
+        config.update(max_new_tokens=4, repeats=1, max_seq_len=256)
+        config.kv_cache.max_tokens = 1024
+    elif preset:
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")
     return config
