@@ -12,8 +12,9 @@ up to ``num_steps`` iterations of
    and writes nothing more (its later iterations are padding rows); the loop ends early
    once every row has finished.
 
-Shapes: R = block-table rows (``PageState.max_seqs``), N = ``num_steps``, W = block-table
-columns the forward reads (``width``), V = vocab.
+Shapes: B = batch rows the forward runs (a bucket of the running requests), R = block-table
+rows (``PageState.max_seqs``), N = ``num_steps``, W = block-table columns the forward reads
+(``width``), V = vocab.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def decode_steps(
     params: Params,
     pool: PagePool,
     states: tuple[F.PageState, ...],
+    row_ids: jax.Array,
     tokens: jax.Array,
     active: jax.Array,
     stop_ids: jax.Array,
@@ -61,21 +63,23 @@ def decode_steps(
     Args:
       params: model weights.
       pool: the page pool (donated).
-      states: one ``PageState`` per layer group (donated); row r of each holds the sequence
-        that row r here decodes, its ``seq_lens`` being the tokens whose KV is written.
-      tokens: [R] int32 each row's input token (its last sampled one, KV not yet written).
-      active: [R] bool rows that decode.
-      stop_ids: [R] int32 stop token per row (-1 = none).
-      budgets: [R] int32 tokens each row may still emit, >= 1 for active rows.
-      temperature, top_p: [R] float32; seeds: [R] int32; counters: [R] int32 tokens each
+      states: one ``PageState`` per layer group (donated); its ``seq_lens`` are the tokens
+        whose KV is written.
+      row_ids: [B] int32 the block-table row of each batch row (distinct; padding rows repeat
+        any row and are inactive).
+      tokens: [B] int32 each row's input token (its last sampled one, KV not yet written).
+      active: [B] bool rows that decode.
+      stop_ids: [B] int32 stop token per row (-1 = none).
+      budgets: [B] int32 tokens each row may still emit, >= 1 for active rows.
+      temperature, top_p: [B] float32; seeds: [B] int32; counters: [B] int32 tokens each
         row has generated (its sampling-key counter).
       num_steps: N, iterations at most.
       width: W, block-table columns the forward reads: at least the pages of the longest
         row after N steps (static, so a bucket of it).
 
     Returns:
-      (pool, states, emitted [R, N] int32 tokens per step (-1 after a row finished),
-      num_emitted [R] int32, ok [] bool: False if a group ran out of pages, in which case
+      (pool, states, emitted [B, N] int32 tokens per step (-1 after a row finished),
+      num_emitted [B] int32, ok [] bool: False if a group ran out of pages, in which case
       the rows stopped at the step that lacked them and their states are those before it).
     """
     rows = tokens.shape[0]
@@ -87,18 +91,19 @@ def decode_steps(
 
     def body(carry: tuple) -> tuple:
         step, pool, states, tokens, active, budgets, counters, emitted, num_emitted, ok = carry
-        grown = [F.append_tokens(s, active) for s in states]
+        held = jnp.zeros(states[0].max_seqs, bool).at[row_ids].max(active)  # [R]
+        grown = [F.append_tokens(s, held) for s in states]
         ok = jnp.all(jnp.stack([g[2] for g in grown]))
         states = tuple(F.select(ok, g[0], s) for g, s in zip(grown, states))
         active = active & ok
-        positions = jnp.where(active, grown[0][1], -1)
-        lengths = jnp.where(active, states[0].seq_lens, 0)
-        tables = tuple(s.block_tables[:, :width] for s in states)
+        positions = jnp.where(active, grown[0][1][row_ids], -1)
+        lengths = jnp.where(active, states[0].seq_lens[row_ids], 0)
+        tables = tuple(s.block_tables[row_ids, :width] for s in states)
         logits, pool = forward(
             params, pool, tokens[:, None], positions[:, None], tables, lengths,
             cfg=cfg, layout=layout, logits_mode="last", attn_impl=attn_impl,
         )
-        sampled = sample(logits, temperature, top_p, seeds, counters)  # [R]
+        sampled = sample(logits, temperature, top_p, seeds, counters)  # [B]
         emitted = emitted.at[:, step].set(jnp.where(active, sampled, -1))
         num_emitted = num_emitted + active
         counters = counters + active

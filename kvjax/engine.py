@@ -490,28 +490,23 @@ class Engine:
         """
         start = time.perf_counter()
         manager, n = self.manager, self.scheduler_config.num_decode_steps_per_dispatch
-        rows = manager.max_seqs
-        tokens, stop_ids, budgets = np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
-        active = np.zeros(rows, bool)
         running = list(self.scheduler.running.values())
+        rows = pow2_bucket(len(running))
+        row_ids, tokens = np.full(rows, manager.row_of(running[0].request_id), np.int32), np.zeros(rows, np.int32)
+        stop_ids, budgets, active = np.full(rows, -1, np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool)
         works = []
         longest = 0
-        for req in running:
-            r = manager.row_of(req.request_id)
-            tokens[r], active[r] = req.output_token_ids[-1], True
-            stop_ids[r] = -1 if req.eos_token_id is None else req.eos_token_id
-            budgets[r] = req.max_new_tokens - len(req.output_token_ids)
-            longest = max(longest, req.num_computed_tokens + min(n, int(budgets[r])))
-            works.append(ScheduledRequest(req.request_id, (int(tokens[r]),), req.num_computed_tokens, False, True))
-        ordered = sorted(works, key=lambda w: manager.row_of(w.request_id))
-        padded = [ordered[0]] * rows  # sampling arrays in row order; rows without a request are inactive
-        for w in ordered:
-            padded[manager.row_of(w.request_id)] = w
+        for i, req in enumerate(running):
+            row_ids[i], tokens[i], active[i] = manager.row_of(req.request_id), req.output_token_ids[-1], True
+            stop_ids[i] = -1 if req.eos_token_id is None else req.eos_token_id
+            budgets[i] = req.max_new_tokens - len(req.output_token_ids)
+            longest = max(longest, req.num_computed_tokens + min(n, int(budgets[i])))
+            works.append(ScheduledRequest(req.request_id, (int(tokens[i]),), req.num_computed_tokens, False, True))
         width = min(pow2_bucket(self.layout.pages_for(longest), 4), manager.max_blocks)
         try:
             self.pool, states, emitted, counts, ok = decode_steps(
-                self.model.params, self.pool, manager.states, jnp.asarray(tokens), jnp.asarray(active),
-                jnp.asarray(stop_ids), jnp.asarray(budgets), *self._sampling_arrays(padded, rows),
+                self.model.params, self.pool, manager.states, jnp.asarray(row_ids), jnp.asarray(tokens),
+                jnp.asarray(active), jnp.asarray(stop_ids), jnp.asarray(budgets), *self._sampling_arrays(works, rows),
                 cfg=self.model.config, layout=self.layout, num_steps=n, width=width, attn_impl=self.attn_impl,
             )
             emitted, counts, ok = jax.device_get((emitted, counts, ok))
@@ -521,8 +516,7 @@ class Engine:
             return self.step()
         manager.states = states
         self._decode_on_device = bool(ok)
-        out = {w.request_id: emitted[manager.row_of(w.request_id), : counts[manager.row_of(w.request_id)]].tolist()
-               for w in works}
+        out = {w.request_id: emitted[i, : counts[i]].tolist() for i, w in enumerate(works)}
         for rid in self.scheduler.record_decodes(out):
             self._finish(rid)
         self.timings["decode_s"] += time.perf_counter() - start
