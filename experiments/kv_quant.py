@@ -45,6 +45,13 @@ def variants(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
     return [(d, g) for d in config.dtypes if d in QUANTIZED_DTYPES for g in config.scale_granularities]
 
 
+def kv_cache_config(config: ml_collections.ConfigDict, dtype: str, granularity: str, max_tokens: int) -> KvCacheConfig:
+    """The engine cache of one variant: ``config.page_size`` tokens per page, ``max_tokens`` tokens,
+    ``dtype`` with ``granularity`` scales ("-" for float dtypes)."""
+    return KvCacheConfig(tokens_per_block=config.page_size, max_tokens=max_tokens, dtype=dtype,
+                         scale_granularity="token" if granularity == "-" else granularity)
+
+
 def sequence_layout(model: Model, dtype: str, granularity: str, max_seq_len: int, page_size: int) -> CacheLayout:
     """A pool for one sequence of up to ``max_seq_len`` tokens (page 0 is the null page)."""
     cfg = model.config
@@ -162,13 +169,12 @@ def blend_rows(config: ml_collections.ConfigDict, model: Model, prompts: list[Bl
     top-1 over the suffix positions."""
     c = config.blend
     longest = max(p.roles.num_tokens for p in prompts)
-    kv = dict(tokens_per_block=config.page_size, max_tokens=c.cache_tokens)
     scheduler = SchedulerConfig(max_num_tokens=c.cache_tokens, prefill_chunk_size=c.cache_tokens)
     cases = [REFERENCE, *[(d, g) for d, g in variants(config) if g == c.scale_granularity]]
     logits: dict[tuple[str, str, str], list[np.ndarray]] = {}
     for dtype, granularity in cases:
-        engine = Engine(model, KvCacheConfig(**kv, dtype=dtype, scale_granularity="token" if granularity == "-" else granularity),
-                        scheduler, max_seq_len=pow2_bucket(longest + 8, config.page_size), attn_impl=config.attn_impl)
+        engine = Engine(model, kv_cache_config(config, dtype, granularity, c.cache_tokens), scheduler,
+                        max_seq_len=pow2_bucket(longest + 8, config.page_size), attn_impl=config.attn_impl)
         for prompt in tqdm(prompts, desc=f"blend {dtype}/{granularity}", unit="prompt"):
             store = ChunkStore(engine, variant="system", prefix_tokens=prompt.prefix)
             for chunk in prompt.chunks:
@@ -203,8 +209,7 @@ def speed_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
     max_seq_len = pow2_bucket(c.context + c.decode_tokens + 2, config.page_size)
     rows = []
     for dtype, granularity in [REFERENCE, *[(d, g) for d, g in variants(config) if g in c.scale_granularities]]:
-        kv = KvCacheConfig(tokens_per_block=config.page_size, max_tokens=max(c.batches) * max_seq_len, dtype=dtype,
-                           scale_granularity="token" if granularity == "-" else granularity)
+        kv = kv_cache_config(config, dtype, granularity, max(c.batches) * max_seq_len)
         engine = Engine(model, kv, SchedulerConfig(max_batch_size=max(c.batches)), max_seq_len=max_seq_len,
                         attn_impl=c.attn_impl)
         for batch in c.batches:
