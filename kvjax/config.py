@@ -251,6 +251,14 @@ class KvCacheConfig:
       copy_on_partial_reuse: copy the matching tokens into a fresh block (else reuse the
         partially matched block only when no other request holds it).
       max_attention_window: attention window per layer, cycled over the layers; None = full.
+      pool_ratio: one positive weight per layer group (groups = distinct windows in order of
+        first appearance), normalised: the share of the device cache's bytes each group's
+        page pool gets. None = see ``avg_seq_len``.
+      avg_seq_len: expected tokens per sequence (positive), used when ``pool_ratio`` is None:
+        each group's share is its layers times the tokens a sequence of this length keeps
+        there (min(window, avg_seq_len)). With neither set, hybrid recurrent models log a
+        warning and use half of ``max_seq_len``; other models give every group the same
+        page count.
       event_buffer_max_size: capacity of the KV cache event buffer; 0 disables events.
       use_kv_cache_manager_v2: "auto", "true" or "false" (booleans accepted).
       block_reuse_config: recurrent-state reuse policy of hybrid models (a mapping is accepted).
@@ -273,6 +281,8 @@ class KvCacheConfig:
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True
     max_attention_window: tuple[int, ...] | None = None
+    pool_ratio: tuple[float, ...] | None = None
+    avg_seq_len: int | None = None
     event_buffer_max_size: int = 0
     use_kv_cache_manager_v2: Literal["auto", "true", "false"] = "auto"
     block_reuse_config: BlockReuseConfig = BlockReuseConfig()
@@ -329,6 +339,17 @@ class KvCacheConfig:
                 len(window) > 0 and all(_is_int(w) and w > 0 for w in window),
                 f"max_attention_window={window!r} must be a non-empty list of positive ints",
             )
+        if self.pool_ratio is not None:
+            ratio = _as_tuple("pool_ratio", self.pool_ratio, "positive numbers (one weight per layer group)")
+            object.__setattr__(self, "pool_ratio", ratio)
+            _require(
+                len(ratio) > 0 and all(_is_number(w) and w > 0 for w in ratio),
+                f"pool_ratio={ratio!r} must be a non-empty list of positive numbers (one weight per layer group)",
+            )
+        _require(
+            self.avg_seq_len is None or (_is_int(self.avg_seq_len) and self.avg_seq_len > 0),
+            f"avg_seq_len={self.avg_seq_len!r} must be None or a positive int (tokens)",
+        )
         _require(
             _is_int(self.event_buffer_max_size) and self.event_buffer_max_size >= 0,
             f"event_buffer_max_size={self.event_buffer_max_size!r} must be an int >= 0",
@@ -363,8 +384,9 @@ class KvCacheConfig:
         ``disk_cache_dir`` (where the disk tier's file lives). Snapshots must match on these."""
         fields = dataclasses.asdict(self)
         del fields["disk_cache_dir"]
-        if fields["max_attention_window"] is not None:
-            fields["max_attention_window"] = list(fields["max_attention_window"])
+        for name in ("max_attention_window", "pool_ratio"):
+            if fields[name] is not None:
+                fields[name] = list(fields[name])
         mamba = fields["mamba_state_config"]
         for name in ("additional_snapshot_offsets_from_start", "additional_snapshot_offsets_from_end"):
             mamba[name] = list(mamba[name])

@@ -251,7 +251,7 @@ class Engine:
         self.attn_impl = attn_impl
         self.layout, self.cache_size = CacheLayout.for_model(
             kv_cache_config, model_windows=cfg.layer_windows, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            max_seq_len=self.max_seq_len, model_dtype=str(model.params.embed.dtype),
+            max_seq_len=self.max_seq_len, model_dtype=str(model.params.embed.dtype), hybrid=bool(cfg.recurrent_layers),
         )
         """The cache geometry (pages of every tier, page size, windows); the one owner of it."""
         self.manager: KVCacheManager | KVCacheManagerV2 = (

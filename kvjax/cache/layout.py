@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import pathlib
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from kvjax.cache.quant import KV_STORAGE_DTYPES, QUANTIZED_DTYPES, SCALE_DTYPE, SCALE_GRANULARITIES, QuantizedPages
 from kvjax.cache.sizing import CacheSize, choose_cache_size, require_fits
-from kvjax.config import KvCacheConfig
+from kvjax.config import ConfigError, KvCacheConfig
 
 NULL_PAGE = 0
 """Page 0 of every pool is never handed out: block tables point padding and released
@@ -109,6 +110,7 @@ class CacheLayout:
         head_dim: int,
         max_seq_len: int,
         model_dtype: str,
+        hybrid: bool = False,
     ) -> tuple[CacheLayout, CacheSize]:
         """The geometry of a model's cache under ``kv_config``, and how its size was chosen.
 
@@ -119,14 +121,21 @@ class CacheLayout:
         config's ``max_attention_window`` cycled over the layers, else the model's, capped at
         ``max_seq_len``.
 
+        Per-group pools: with ``pool_ratio`` (or ``avg_seq_len``, or for a hybrid model with
+        neither, half of ``max_seq_len`` after a warning) the device cache's bytes are split
+        between the layer groups by ``group_shares`` instead, and each group gets the pages
+        its share buys; a group must still hold one ``max_seq_len`` sequence (a windowed
+        group: its window plus one page).
+
         Args:
           model_windows: the model's attention window per layer, tokens.
           num_kv_heads, head_dim: the model's KV geometry.
           max_seq_len: longest prompt + generation, tokens.
           model_dtype: dtype name of the model's weights (the KV dtype for ``dtype="auto"``).
+          hybrid: the model has recurrent layers (the ``avg_seq_len`` fallback applies).
 
         Raises:
-          ValueError: the cache holds fewer tokens than ``max_seq_len``.
+          ValueError: the cache (or one group's pool) holds fewer tokens than ``max_seq_len``.
           ConfigError: the device cache or host tier does not fit the memory there is.
         """
         if kv_config.max_attention_window is not None:
@@ -140,19 +149,69 @@ class CacheLayout:
             scale_granularity=kv_config.scale_granularity,
         )
         size = choose_cache_size(kv_config, probe.bytes_per_token)
-        num_pages = probe.pages_for(size.num_tokens) + 1
-        if num_pages - 1 < probe.pages_for(max_seq_len):
-            raise ValueError(
-                f"the cache holds {size.num_tokens} tokens, fewer than max_seq_len={max_seq_len}; "
-                "raise kv_cache_config.max_tokens / free_gpu_memory_fraction or lower max_seq_len"
+        shares = probe.group_shares(kv_config, hybrid)
+        if shares is None:
+            num_pages = (probe.pages_for(size.num_tokens) + 1,) * probe.num_groups
+            if num_pages[0] - 1 < probe.pages_for(max_seq_len):
+                raise ValueError(
+                    f"the cache holds {size.num_tokens} tokens, fewer than max_seq_len={max_seq_len}; "
+                    "raise kv_cache_config.max_tokens / free_gpu_memory_fraction or lower max_seq_len"
+                )
+        else:
+            budget = size.num_tokens * probe.bytes_per_token
+            num_pages = tuple(
+                int(share * budget) // (layers * probe.bytes_per_page_layer) + 1
+                for share, layers in zip(shares, probe.group_layers)
             )
+            for g, (pages, window) in enumerate(zip(num_pages, probe.group_windows)):
+                need = min(probe.pages_for(max_seq_len), probe.pages_for(window) + 1)
+                if pages - 1 < need:
+                    field = "pool_ratio" if kv_config.pool_ratio is not None else "avg_seq_len"
+                    raise ValueError(
+                        f"kv_cache_config.{field}: layer group {g} (window {window}) gets {pages - 1} pages of its "
+                        f"{budget:,}-byte share, fewer than the {need} one max_seq_len={max_seq_len} sequence needs; "
+                        f"give it a larger share or raise max_tokens / free_gpu_memory_fraction"
+                    )
         num_host_pages = kv_config.host_cache_size // probe.bytes_per_block
         require_fits(kv_config, size, num_host_pages * probe.bytes_per_block)
         num_disk_pages = kv_config.disk_cache_size // probe.bytes_per_block if num_host_pages else 0
         layout = dataclasses.replace(
-            probe, num_pages=(num_pages,) * probe.num_groups, num_host_pages=num_host_pages, num_disk_pages=num_disk_pages
+            probe, num_pages=num_pages, num_host_pages=num_host_pages, num_disk_pages=num_disk_pages
         )
         return layout, size
+
+    def group_shares(self, kv_config: KvCacheConfig, hybrid: bool = False) -> tuple[float, ...] | None:
+        """Each layer group's share of the device cache's bytes (summing to 1), or None for
+        the same page count in every group (always for a single group).
+
+        ``pool_ratio`` normalised if set; else with ``avg_seq_len`` L (for a hybrid model with
+        neither: ``max_seq_len // 2``, after a warning) group g's weight is its layers times
+        min(window_g, L), the tokens a sequence of length L keeps there.
+
+        Raises:
+          ConfigError: ``pool_ratio`` does not have one weight per layer group.
+        """
+        if kv_config.pool_ratio is not None:
+            ratio = kv_config.pool_ratio
+            if len(ratio) != self.num_groups:
+                raise ConfigError(
+                    f"pool_ratio={list(ratio)} must have one weight per layer group: this model has "
+                    f"{self.num_groups} (windows {list(self.group_windows)})"
+                )
+            return tuple(w / sum(ratio) for w in ratio) if self.num_groups > 1 else None
+        if self.num_groups == 1:
+            return None
+        avg = kv_config.avg_seq_len
+        if avg is None and hybrid:
+            avg = max(self.max_seq_len // 2, 1)
+            logging.warning(
+                "kv_cache_config: neither pool_ratio nor avg_seq_len is set for a hybrid model; sizing the "
+                "layer groups' pools for avg_seq_len = max_seq_len // 2 = %d tokens", avg,
+            )
+        if avg is None:
+            return None
+        weights = [layers * min(window, avg) for layers, window in zip(self.group_layers, self.group_windows)]
+        return tuple(w / sum(weights) for w in weights)
 
     @property
     def num_layers(self) -> int:
