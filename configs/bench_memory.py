@@ -13,7 +13,10 @@ Three parts, side by side in one run folder (``memory.md`` table, ``memory.png``
   windows    pages held per layer group by one running request of each length, on the real
              engine (Gemma 3's own 512-token windows; SmolLM2 with ``max_attention_window``);
   offload    distinct prompts still reusable after a fill, with 0 or N x the device cache
-             as host cache (checked once by re-running the oldest prompt).
+             as host cache (checked once by re-running the oldest prompt);
+  pools      pages per layer group of one device budget under the per-group pool settings
+             (equal pages, ``avg_seq_len``, ``pool_ratio``), for Gemma 3 and for a hybrid of
+             its geometry (no setting: the warning and half of max_seq_len).
 The default takes about 8 minutes on 2 CPU cores (mostly compiling the engines' buckets).
 """
 
@@ -52,10 +55,18 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.offload.num_prompts = 40  # distinct prompts filled in turn
     config.offload.prompt_tokens = 128  # tokens per prompt (4 blocks of 32)
     config.offload.tokens_per_block = 32  # page size
+    config.pools = ml_collections.ConfigDict()
+    config.pools.model = "gemma3-270m"  # geometry split (also as a hybrid: its layers cycled recurrent, recurrent, attention)
+    config.pools.max_tokens = 32768  # device cache, tokens of the equal split
+    config.pools.max_seq_len = 8192  # longest sequence each group must hold
+    config.pools.avg_seq_lens = (1024, 4096)  # KvCacheConfig.avg_seq_len settings
+    config.pools.ratios = ((1, 1),)  # KvCacheConfig.pool_ratio settings (one weight per layer group)
+
     if preset == "tiny":
         config.attention.dtypes = ("float32", "int8")
         config.windows.update(lengths=(512,), models=("smollm2-135m",), prefill_chunk_size=512)
         config.offload.update(device_tokens=256, host_multiples=(0, 1), num_prompts=8)
+        config.pools.update(model="smollm2-135m", max_tokens=4096, max_seq_len=1024, avg_seq_lens=(512,), ratios=())
     elif preset:
         raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")
     return config

@@ -1,8 +1,8 @@
 """KV-cache memory: bytes/token by attention type and KV dtype (quantized int8 / fp8 with
 their scales included), tokens that fit a fixed budget, windowed layer groups, host-offload
-capacity.
+capacity, per-group pool splits.
 
-See ``configs/bench_memory.py`` for the three parts and the command.
+See ``configs/bench_memory.py`` for the four parts and the command.
 """
 
 from __future__ import annotations
@@ -139,6 +139,32 @@ def offload_rows(config: ml_collections.ConfigDict, model: Model, rng: np.random
     return rows
 
 
+def pool_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
+    """Pages, bytes and tokens per layer group of one device budget under each per-group pool
+    setting, for the model and for a hybrid of its geometry (layers cycled recurrent,
+    recurrent, attention; the recurrent layers still hold KV pages in this split)."""
+    pools = config.pools
+    hybrid = dataclasses.replace(model.config, layer_types=("recurrent", "recurrent", "attention"))
+    settings = [("equal pages", {})] + [(f"avg_seq_len={n}", {"avg_seq_len": n}) for n in pools.avg_seq_lens]
+    settings += [(f"pool_ratio={list(r)}", {"pool_ratio": tuple(r)}) for r in pools.ratios]
+    rows = []
+    for name, cfg in ((model.config.name, model.config), (f"{model.config.name} as hybrid", hybrid)):
+        for setting, fields in settings if cfg is model.config else [("none (fallback)", {})]:
+            kv = KvCacheConfig(tokens_per_block=32, max_tokens=pools.max_tokens, free_memory_bytes=1 << 34, **fields)
+            layout, _ = CacheLayout.for_model(kv, model_windows=cfg.layer_windows, num_kv_heads=cfg.num_kv_heads,
+                                              head_dim=cfg.head_dim, max_seq_len=pools.max_seq_len, model_dtype="float32",
+                                              hybrid=bool(cfg.recurrent_layers))
+            total = sum((p - 1) * layout.bytes_per_page(g) for g, p in enumerate(layout.num_pages))
+            for g, pages in enumerate(layout.num_pages):
+                rows.append({
+                    "model": name, "setting": setting, "group": g, "window": layout.group_windows[g],
+                    "layers": layout.group_layers[g], "pages": pages - 1, "tokens": (pages - 1) * layout.page_size,
+                    "mib": (pages - 1) * layout.bytes_per_page(g) / 2**20,
+                    "share": (pages - 1) * layout.bytes_per_page(g) / total,
+                })
+    return rows
+
+
 def plot(attention: list[dict], windows: list[dict], offload: list[dict], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
@@ -172,11 +198,12 @@ def _by(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     rng = np.random.default_rng(config.seed)
-    models = {name: load_model(name) for name in {config.attention.model, config.offload.model, *config.windows.models}}
+    models = {name: load_model(name) for name in {config.attention.model, config.offload.model, config.pools.model, *config.windows.models}}
     attention = attention_rows(config, models[config.attention.model])
     windows = [r for name in config.windows.models for r in window_rows(config, models[name], rng)]
     offload = offload_rows(config, models[config.offload.model], rng)
-    for name, rows in (("attention", attention), ("windows", windows), ("offload", offload)):
+    pools = pool_rows(config, models[config.pools.model])
+    for name, rows in (("attention", attention), ("windows", windows), ("offload", offload), ("pools", pools)):
         report.write_csv(workdir / f"{name}.csv", rows)
     plot(attention, windows, offload, workdir / "memory.png")
     sections = [
@@ -184,8 +211,10 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
          f"{config.attention.budget_bytes:,} bytes", report.markdown_table(attention)),
         ("Pages held per layer group by one running request", report.markdown_table(windows)),
         ("Distinct prompts reusable after the fill", report.markdown_table(offload)),
+        (f"Per-group pools: one {config.pools.max_tokens:,}-token budget split between the layer groups",
+         report.markdown_table(pools)),
         ("Plot", "![memory](memory.png)\n"),
     ]
     report.write_summary(workdir, "bench_memory — KV-cache memory", sections)
     (workdir / "memory.md").write_text("".join(f"## {h}\n\n{b}\n" for h, b in sections))
-    return {"attention": attention, "windows": windows, "offload": offload, "device": jax.devices()[0].device_kind}
+    return {"attention": attention, "windows": windows, "offload": offload, "pools": pools, "device": jax.devices()[0].device_kind}

@@ -22,7 +22,10 @@ def test_tiny_preset_writes_every_part(tmp_path):
     no_host, with_host = sorted(results["offload"], key=lambda r: r["host_multiple"])
     assert with_host["reusable_prompts"] > no_host["reusable_prompts"] > 0
     assert all(r["rerun_reused_tokens"] == r["rerun_estimate"] for r in results["offload"])
-    for name in ("memory.md", "memory.png", "attention.csv", "windows.csv", "offload.csv"):
+    settings = {r["setting"] for r in results["pools"]}
+    assert settings == {"equal pages", "avg_seq_len=512", "none (fallback)"}  # SmolLM2: one group takes the budget
+    assert all(r["share"] == pytest.approx(1.0) and r["tokens"] == config.pools.max_tokens for r in results["pools"])
+    for name in ("memory.md", "memory.png", "attention.csv", "windows.csv", "offload.csv", "pools.csv"):
         assert (tmp_path / name).stat().st_size > 0
 
 
