@@ -801,7 +801,9 @@ class Engine:
                 f"speculative decoding is not supported for the hybrid model {cfg.name!r}: a rejected draft "
                 "cannot be rolled back out of a recurrent state; pass speculative=None"
             )
-        self.state_snapshots = StateSnapshotIndex(self.kv_config, num_live=self.scheduler_config.max_batch_size)
+        self.state_snapshots = StateSnapshotIndex(
+            self.kv_config, page_size=self.layout.page_size, num_live=self.scheduler_config.max_batch_size
+        )
         self.state_pool = init_state_pool(
             len(cfg.recurrent_layers), self.state_snapshots.num_slots, cfg.num_heads, cfg.head_dim
         )

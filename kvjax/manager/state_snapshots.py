@@ -76,15 +76,16 @@ class StateSnapshotIndex:
     """Slots of the state pool: which request or snapshot holds each.
 
     Args:
-      config: the cache configuration (tokens_per_block, block_reuse_config, mamba_state_config).
+      config: the cache configuration (block_reuse_config, mamba_state_config).
+      page_size: tokens per page and block (the cache layout's ``page_size``).
       num_live: live slots, at least the most requests running at once.
     """
 
-    def __init__(self, config: KvCacheConfig, *, num_live: int) -> None:
+    def __init__(self, config: KvCacheConfig, *, page_size: int, num_live: int) -> None:
         if not isinstance(num_live, int) or num_live < 1:
             raise ValueError(f"num_live={num_live!r} must be an int >= 1 (requests running at once)")
         self.config = config
-        self.page_size = config.tokens_per_block
+        self.page_size = page_size
         self.policy = config.block_reuse_config.policy
         self.max_num_turns = config.block_reuse_config.max_num_turns
         mamba = config.mamba_state_config
