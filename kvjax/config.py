@@ -332,20 +332,17 @@ class KvCacheConfig:
             f"disk_cache_dir={self.disk_cache_dir!r} must be None or a non-empty path string",
         )
         _check_priority("secondary_offload_min_priority", self.secondary_offload_min_priority)
-        if self.max_attention_window is not None:
-            window = _as_tuple("max_attention_window", self.max_attention_window, "positive ints (one window per layer, cycled)")
-            object.__setattr__(self, "max_attention_window", window)
-            _require(
-                len(window) > 0 and all(_is_int(w) and w > 0 for w in window),
-                f"max_attention_window={window!r} must be a non-empty list of positive ints",
-            )
-        if self.pool_ratio is not None:
-            ratio = _as_tuple("pool_ratio", self.pool_ratio, "positive numbers (one weight per layer group)")
-            object.__setattr__(self, "pool_ratio", ratio)
-            _require(
-                len(ratio) > 0 and all(_is_number(w) and w > 0 for w in ratio),
-                f"pool_ratio={ratio!r} must be a non-empty list of positive numbers (one weight per layer group)",
-            )
+        for name, kind, is_kind, meaning in (
+            ("max_attention_window", "ints", _is_int, "one window per layer, cycled"),
+            ("pool_ratio", "numbers", _is_number, "one weight per layer group"),
+        ):
+            if getattr(self, name) is not None:
+                values = _as_tuple(name, getattr(self, name), f"positive {kind} ({meaning})")
+                object.__setattr__(self, name, values)
+                _require(
+                    len(values) > 0 and all(is_kind(v) and v > 0 for v in values),
+                    f"{name}={values!r} must be a non-empty list of positive {kind} ({meaning})",
+                )
         _require(
             self.avg_seq_len is None or (_is_int(self.avg_seq_len) and self.avg_seq_len > 0),
             f"avg_seq_len={self.avg_seq_len!r} must be None or a positive int (tokens)",
