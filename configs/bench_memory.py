@@ -39,7 +39,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.attention.scale_granularities = ("token", "page")  # scales of the quantized dtypes
     config.attention.budget_bytes = 1 << 30  # fixed memory budget for the tokens-that-fit column
     config.attention.num_pages = 8  # pages of the allocated pool that checks the formula
-    config.attention.page_size = 32  # tokens per page
+    config.attention.tokens_per_block = 32  # tokens per page
 
     config.windows = ml_collections.ConfigDict()
     config.windows.lengths = (1024, 2048, 4096)  # prompt lengths of the running request

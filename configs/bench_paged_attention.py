@@ -32,12 +32,12 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.num_heads = 8  # Query heads.
     config.num_kv_heads = 2  # KV heads (GQA group = num_heads // num_kv_heads).
     config.head_dim = 64  # Per-head width.
-    config.page_size = 16  # Tokens per page.
+    config.tokens_per_block = 16  # Tokens per page.
     config.warmup = 2  # Untimed calls per measurement (compilation included).
     config.iters = 10  # Timed calls per measurement; the median is reported.
     config.seed = 0  # Seed of the random pool, queries and page permutation.
     if preset == "tiny":
-        config.update(num_seqs=2, context_lens=(32, 64), num_heads=4, num_kv_heads=2, head_dim=16, page_size=8,
+        config.update(num_seqs=2, context_lens=(32, 64), num_heads=4, num_kv_heads=2, head_dim=16, tokens_per_block=8,
                       warmup=1, iters=2)
     elif preset:
         raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")

@@ -78,7 +78,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
     config.runtime = ml_collections.ConfigDict()
-    config.runtime.page_size = 32  # tokens per page of the sequence pool
+    config.runtime.tokens_per_block = 32  # tokens per page of the sequence pool
     config.runtime.token_bucket = 512  # prompt lengths pad to a multiple of this (fewer compiled shapes)
     config.runtime.attn_impl = "auto"  # attention: auto | reference | blocked | interpret
 

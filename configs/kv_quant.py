@@ -31,7 +31,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.seed = 0  # workload, random speed prompts and bootstrap seed
     config.dtypes = ("int8", "fp8")  # quantized KV dtypes compared with float32
     config.scale_granularities = ("token", "page")  # scales: per token and KV head / per page and KV head
-    config.page_size = 32  # tokens per page
+    config.tokens_per_block = 32  # tokens per page
     config.attn_impl = "auto"  # attention for the quality parts: auto | reference | blocked
     config.bootstrap = 2000  # bootstrap resamples for 95% intervals
 

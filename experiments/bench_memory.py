@@ -51,7 +51,7 @@ def attention_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict
         kind = "MHA" if kv_heads == cfg.num_heads else ATTENTION_KIND.get(kv_heads, "GQA")
         for dtype, granularity in storage_variants(c.dtypes, c.scale_granularities):
             layout = CacheLayout(
-                layer_windows=(cfg.max_seq_len,) * cfg.num_layers, num_pages=(c.num_pages,), page_size=c.page_size,
+                layer_windows=(cfg.max_seq_len,) * cfg.num_layers, num_pages=(c.num_pages,), tokens_per_block=c.tokens_per_block,
                 num_kv_heads=kv_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len, dtype=dtype,
                 scale_granularity="token" if granularity == "-" else granularity,
             )
@@ -62,9 +62,9 @@ def attention_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict
             rows.append({
                 "attention": kind, "kv_heads": kv_heads, "dtype": dtype, "scales": granularity, "layers": cfg.num_layers,
                 "head_dim": cfg.head_dim, "bytes_per_token": layout.bytes_per_token,
-                "allocated_bytes_per_slot": allocated / (c.num_pages * c.page_size),
-                "tokens_in_budget": c.budget_bytes // page_bytes * c.page_size,
-                "vs_float32": round(_float32_bytes(cfg, kv_heads) / (page_bytes / c.page_size), 3),
+                "allocated_bytes_per_slot": allocated / (c.num_pages * c.tokens_per_block),
+                "tokens_in_budget": c.budget_bytes // page_bytes * c.tokens_per_block,
+                "vs_float32": round(_float32_bytes(cfg, kv_heads) / (page_bytes / c.tokens_per_block), 3),
             })
     return rows
 
@@ -158,7 +158,7 @@ def pool_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
             for g, pages in enumerate(layout.num_pages):
                 rows.append({
                     "model": name, "setting": setting, "group": g, "window": layout.group_windows[g],
-                    "layers": layout.group_layers[g], "pages": pages - 1, "tokens": (pages - 1) * layout.page_size,
+                    "layers": layout.group_layers[g], "pages": pages - 1, "tokens": (pages - 1) * layout.tokens_per_block,
                     "mib": (pages - 1) * layout.bytes_per_page(g) / 2**20,
                     "share": (pages - 1) * layout.bytes_per_page(g) / total,
                 })

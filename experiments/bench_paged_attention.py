@@ -48,16 +48,16 @@ def measure(config: ml_collections.ConfigDict, context_len: int) -> dict:
     """One operating point: paged, contiguous and copy timings at ``context_len``."""
     dtype = jnp.dtype(config.dtype)
     rng = np.random.default_rng(config.seed)
-    pages_per_seq = -(-context_len // config.page_size)
+    pages_per_seq = -(-context_len // config.tokens_per_block)
     num_pages = 1 + config.num_seqs * pages_per_seq
-    kv_shape = (config.num_seqs, pages_per_seq * config.page_size, config.num_kv_heads, config.head_dim)
+    kv_shape = (config.num_seqs, pages_per_seq * config.tokens_per_block, config.num_kv_heads, config.head_dim)
     k = jnp.asarray(rng.standard_normal(kv_shape), dtype)
     v = jnp.asarray(rng.standard_normal(kv_shape), dtype)
     q = jnp.asarray(rng.standard_normal((config.num_seqs, config.num_heads, config.head_dim)), dtype)
     lengths = jnp.full((config.num_seqs,), context_len, jnp.int32)
     # Scatter each sequence's pages to a random permutation of the pool (page 0 stays spare).
     table = rng.permutation(np.arange(1, num_pages)).reshape(config.num_seqs, pages_per_seq).astype(np.int32)
-    to_pages = lambda x: rearrange(x, "s (p t) h d -> (s p) t h d", t=config.page_size)
+    to_pages = lambda x: rearrange(x, "s (p t) h d -> (s p) t h d", t=config.tokens_per_block)
     order = np.argsort(table.reshape(-1))
     pool_of = lambda x: jnp.concatenate([jnp.zeros_like(to_pages(x)[:1]), to_pages(x)[order]])
     k_pages, v_pages, table = pool_of(k), pool_of(v), jnp.asarray(table)
@@ -102,7 +102,7 @@ def write_summary(rows: list[dict], config: ml_collections.ConfigDict, path: pat
         f"impl={config.impl}, {config.dtype}",
         "",
         f"batch {config.num_seqs}, heads {config.num_heads}/{config.num_kv_heads} KV, head_dim {config.head_dim}, "
-        f"page_size {config.page_size}",
+        f"tokens_per_block {config.tokens_per_block}",
         "",
         "| context | layout | ms | tokens/s | GB/s | of copy BW | copy GB/s |",
         "|---:|---|---:|---:|---:|---:|---:|",

@@ -104,7 +104,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     bucket = config.runtime.token_bucket
     longest = max(len(e.prefix) + sum(map(len, e.chunks)) + len(e.suffix) for e in everything)
     engine = Engine(
-        model, KvCacheConfig(tokens_per_block=config.runtime.page_size, max_tokens=config.store.cache_tokens),
+        model, KvCacheConfig(tokens_per_block=config.runtime.tokens_per_block, max_tokens=config.store.cache_tokens),
         SchedulerConfig(max_num_tokens=8192, prefill_chunk_size=8192),
         max_seq_len=longest + config.eval.continuation_tokens + config.eval.max_answer_tokens + bucket,
         attn_impl=config.runtime.attn_impl,

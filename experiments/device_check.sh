@@ -3,7 +3,7 @@
 #   1. correctness grid: pallas_kernels/{paged,partial}_attention/gpu.py compiled for the
 #      GPU against the XLA references (NaN-poisoned pools, permuted tables; f32 1e-5, bf16 1e-2);
 #   2. timings: decode at batch 32, 4k context, bf16 (32 query / 8 KV heads, head_dim 128,
-#      page_size 16) for a few (pages_per_block, k_splits), the XLA reference and contiguous
+#      tokens_per_block 16) for a few (pages_per_block, k_splits), the XLA reference and contiguous
 #      attention, as achieved HBM bytes/s against the measured device-to-device copy bandwidth.
 # Writes $OUT/device_check.md and $OUT/device_check.json (OUT defaults to ./device_check_out).
 # Run from anywhere:  bash experiments/device_check.sh
@@ -49,11 +49,11 @@ def max_rel_error(actual, expected):
 checks = []
 grid = [*itertools.product([16], [(32, 8), (12, 4), (8, 1), (8, 8)], [64, 128], ["float32", "bfloat16"]),
         *itertools.product([32], [(32, 8)], [128], ["float32", "bfloat16"])]
-for page_size, (num_heads, num_kv_heads), head_dim, dtype in grid:
+for tokens_per_block, (num_heads, num_kv_heads), head_dim, dtype in grid:
     for window, cap, num_queries in [(None, None, 1), (100, 30.0, 1), (None, None, 48), (70, None, 48)]:
         inputs = make_inputs(
-            page_size + head_dim, lengths=[1, page_size, page_size + 1, 8 * page_size, 0, 5 * page_size - 3],
-            num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size, pages_per_seq=8,
+            tokens_per_block + head_dim, lengths=[1, tokens_per_block, tokens_per_block + 1, 8 * tokens_per_block, 0, 5 * tokens_per_block - 3],
+            num_heads=num_heads, num_kv_heads=num_kv_heads, tokens_per_block=tokens_per_block, pages_per_seq=8,
             head_dim=head_dim, dtype=jnp.dtype(dtype), num_queries=num_queries, chunked=num_queries > 1,
             sliding_window=window,
         )
@@ -68,7 +68,7 @@ for page_size, (num_heads, num_kv_heads), head_dim, dtype in grid:
             actual = partial_gpu.partial_attention(*args, *poisoned, **options)
             expected = partial_attention_ref(*args, *clean, **options)
         error = max_rel_error(actual, expected)
-        checks.append(dict(op=op, page_size=page_size, heads=f"{num_heads}/{num_kv_heads}", head_dim=head_dim,
+        checks.append(dict(op=op, tokens_per_block=tokens_per_block, heads=f"{num_heads}/{num_kv_heads}", head_dim=head_dim,
                            dtype=dtype, window=window, soft_cap=cap, error=error, ok=error <= TOLERANCE[dtype]))
 
 
@@ -82,12 +82,12 @@ def per_call_seconds(fn, calls=50):
     return (time.perf_counter() - start) / calls
 
 
-num_seqs, context, num_heads, num_kv_heads, head_dim, page_size = 32, 4096, 32, 8, 128, 16
+num_seqs, context, num_heads, num_kv_heads, head_dim, tokens_per_block = 32, 4096, 32, 8, 128, 16
 rng = np.random.default_rng(0)
-pages_per_seq = context // page_size
+pages_per_seq = context // tokens_per_block
 num_pages = 1 + num_seqs * pages_per_seq
-k_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)), jnp.bfloat16)
-v_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)), jnp.bfloat16)
+k_pages = jnp.asarray(rng.standard_normal((num_pages, tokens_per_block, num_kv_heads, head_dim)), jnp.bfloat16)
+v_pages = jnp.asarray(rng.standard_normal((num_pages, tokens_per_block, num_kv_heads, head_dim)), jnp.bfloat16)
 table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(num_seqs, pages_per_seq), jnp.int32)
 lengths = jnp.full((num_seqs,), context, jnp.int32)
 q = jnp.asarray(rng.standard_normal((num_seqs, num_heads, head_dim)), jnp.bfloat16)
@@ -111,12 +111,12 @@ timings.append(("xla contiguous", per_call_seconds(lambda: contiguous(q, k_conti
 
 lines = [f"# device_check on {device.device_kind}, jax {jax.__version__}", "",
          f"Correctness: {sum(c['ok'] for c in checks)}/{len(checks)} within tolerance", "",
-         "| op | page_size | heads | head_dim | dtype | window | soft_cap | max rel err | ok |",
+         "| op | tokens_per_block | heads | head_dim | dtype | window | soft_cap | max rel err | ok |",
          "|---|---:|---|---:|---|---:|---:|---:|---|"]
-lines += [f"| {c['op']} | {c['page_size']} | {c['heads']} | {c['head_dim']} | {c['dtype']} | {c['window']} "
+lines += [f"| {c['op']} | {c['tokens_per_block']} | {c['heads']} | {c['head_dim']} | {c['dtype']} | {c['window']} "
           f"| {c['soft_cap']} | {c['error']:.2e} | {'yes' if c['ok'] else 'NO'} |" for c in checks]
 lines += ["", f"Decode, batch {num_seqs}, context {context}, bf16, heads {num_heads}/{num_kv_heads}, "
-          f"head_dim {head_dim}, page_size {page_size}; KV bytes {kv_bytes / 1e6:.0f} MB; "
+          f"head_dim {head_dim}, tokens_per_block {tokens_per_block}; KV bytes {kv_bytes / 1e6:.0f} MB; "
           f"device-to-device copy {copy_bandwidth / 1e9:.0f} GB/s", "",
           "| kernel | us | tokens/s | GB/s | of copy BW |", "|---|---:|---:|---:|---:|"]
 lines += [f"| {name} | {s * 1e6:.1f} | {num_seqs / s:.0f} | {kv_bytes / s / 1e9:.0f} | {kv_bytes / s / copy_bandwidth:.2f} |"

@@ -46,19 +46,19 @@ def variants(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
 
 
 def kv_cache_config(config: ml_collections.ConfigDict, dtype: str, granularity: str, max_tokens: int) -> KvCacheConfig:
-    """The engine cache of one variant: ``config.page_size`` tokens per page, ``max_tokens`` tokens,
+    """The engine cache of one variant: ``config.tokens_per_block`` tokens per page, ``max_tokens`` tokens,
     ``dtype`` with ``granularity`` scales ("-" for float dtypes)."""
-    return KvCacheConfig(tokens_per_block=config.page_size, max_tokens=max_tokens, dtype=dtype,
+    return KvCacheConfig(tokens_per_block=config.tokens_per_block, max_tokens=max_tokens, dtype=dtype,
                          scale_granularity="token" if granularity == "-" else granularity)
 
 
-def sequence_layout(model: Model, dtype: str, granularity: str, max_seq_len: int, page_size: int) -> CacheLayout:
+def sequence_layout(model: Model, dtype: str, granularity: str, max_seq_len: int, tokens_per_block: int) -> CacheLayout:
     """A pool for one sequence of up to ``max_seq_len`` tokens (page 0 is the null page)."""
     cfg = model.config
     windows = tuple(min(w, max_seq_len) for w in cfg.layer_windows)
-    pages = -(-max_seq_len // page_size) + 1
+    pages = -(-max_seq_len // tokens_per_block) + 1
     return CacheLayout(
-        layer_windows=windows, num_pages=(pages,) * len(dict.fromkeys(windows)), page_size=page_size,
+        layer_windows=windows, num_pages=(pages,) * len(dict.fromkeys(windows)), tokens_per_block=tokens_per_block,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_seq_len=max_seq_len, dtype=dtype,
         scale_granularity="token" if granularity == "-" else granularity,
     )
@@ -116,7 +116,7 @@ def quality_rows(
     Returns:
       (summary rows per variant with bootstrap intervals over prompts, per-prompt rows).
     """
-    layout = lambda d, g: sequence_layout(model, d, g, max_seq_len, config.page_size)  # noqa: E731
+    layout = lambda d, g: sequence_layout(model, d, g, max_seq_len, config.tokens_per_block)  # noqa: E731
     per_prompt: list[dict] = []
     for i, prompt in enumerate(tqdm(prompts, desc=f"{part} {model.config.name}", unit="prompt")):
         ref_logits, ref_tokens = continuation_logits(model, layout(*REFERENCE), prompt, None, num, config.attn_impl, padded)
@@ -174,7 +174,7 @@ def blend_rows(config: ml_collections.ConfigDict, model: Model, prompts: list[Bl
     logits: dict[tuple[str, str, str], list[np.ndarray]] = {}
     for dtype, granularity in cases:
         engine = Engine(model, kv_cache_config(config, dtype, granularity, c.cache_tokens), scheduler,
-                        max_seq_len=pow2_bucket(longest + 8, config.page_size), attn_impl=config.attn_impl)
+                        max_seq_len=pow2_bucket(longest + 8, config.tokens_per_block), attn_impl=config.attn_impl)
         for prompt in tqdm(prompts, desc=f"blend {dtype}/{granularity}", unit="prompt"):
             store = ChunkStore(engine, variant="system", prefix_tokens=prompt.prefix)
             for chunk in prompt.chunks:
@@ -206,7 +206,7 @@ def speed_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
     """Decode ms/token through the engine per dtype at each batch size (median of rounds)."""
     c = config.speed
     rng = np.random.default_rng(config.seed)
-    max_seq_len = pow2_bucket(c.context + c.decode_tokens + 2, config.page_size)
+    max_seq_len = pow2_bucket(c.context + c.decode_tokens + 2, config.tokens_per_block)
     rows = []
     for dtype, granularity in [REFERENCE, *[(d, g) for d, g in variants(config) if g in c.scale_granularities]]:
         kv = kv_cache_config(config, dtype, granularity, max(c.batches) * max_seq_len)
@@ -239,7 +239,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
             "rag": ([p.tokens.tolist() for p in prompts], config.rag.continuation_tokens),
             "long": (long_prompts(config, model), config.long.generate_tokens),
         }
-        max_seq_len = pow2_bucket(max(len(p) + num for ps, num in parts.values() for p in ps), config.page_size)
+        max_seq_len = pow2_bucket(max(len(p) + num for ps, num in parts.values() for p in ps), config.tokens_per_block)
         padded = prefill_bucket(max(len(p) for ps, _ in parts.values() for p in ps))
         for part, (part_prompts, num) in parts.items():
             if part in config.parts:

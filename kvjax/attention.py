@@ -175,7 +175,7 @@ def _over_mesh(
 
     Args:
       q: [..., num_heads, head_dim], heads split over ``KV_AXIS`` like the pools' KV heads.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], sharded
+      k_pages, v_pages: [num_pages, tokens_per_block, num_kv_heads, head_dim], sharded
         ``(PAGES_AXIS, -, KV_AXIS, -)``.
       lengths [S], page_indices [S, pages_per_seq] (global page ids), rest (e.g. query
         positions): replicated.
@@ -205,11 +205,11 @@ def _assemble_runs(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array) -> 
     pages_per_seq`` pages with an identity block table.
 
     Args:
-      k_pages, v_pages: this device's [num_local_pages, page_size, kv_heads_local, head_dim].
+      k_pages, v_pages: this device's [num_local_pages, tokens_per_block, kv_heads_local, head_dim].
       table: [S, pages_per_seq] global page ids.
 
     Returns:
-      (k, v [S * pages_per_seq, page_size, kv_heads_local, head_dim], table [S, pages_per_seq]).
+      (k, v [S * pages_per_seq, tokens_per_block, kv_heads_local, head_dim], table [S, pages_per_seq]).
     """
     num_local = k_pages.shape[0]
     local_ids = table - jax.lax.axis_index(PAGES_AXIS) * num_local

@@ -8,7 +8,7 @@ Mesh axes (fixed here, used by every ``PartitionSpec`` in this module)::
 
 Sharding of each array (``-`` = replicated)::
 
-    pool k/v     [num_pages, page_size, num_kv_heads, head_dim]   (pages, -, kv, -)
+    pool k/v     [num_pages, tokens_per_block, num_kv_heads, head_dim]   (pages, -, kv, -)
     wq, wk, wv   [D, heads * head_dim]                            (-, kv)     column-parallel
     wo           [H * head_dim, D]                                (kv, -)     row-parallel
     w_gate, w_up [D, F]                                           (-, mlp)    column-parallel
@@ -30,7 +30,7 @@ all-gathered; ``collectives`` reads the compiled HLO so tests can check that.
 The ``pages`` axis: each device holds ``num_pages / pages`` of every pool. Writing a token
 is a scatter that only the owning device applies. Reading a sequence's pages is a gather
 that every device runs over its own pages (others read as zeros), followed by an all-reduce
-of the gathered ``[S, pages_per_seq, page_size, K/kv, head_dim]`` KV — the price of a
+of the gathered ``[S, pages_per_seq, tokens_per_block, K/kv, head_dim]`` KV — the price of a
 larger cache; the pool itself is still never gathered.
 
 Choosing the mesh when the device count does not divide the KV heads (SmolLM2 has 3 KV
@@ -156,7 +156,7 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
 
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of every [num_pages, page_size, num_kv_heads, head_dim] pool array."""
+    """Sharding of every [num_pages, tokens_per_block, num_kv_heads, head_dim] pool array."""
     return NamedSharding(mesh, POOL_SPEC)
 
 

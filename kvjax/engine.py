@@ -802,7 +802,7 @@ class Engine:
                 "cannot be rolled back out of a recurrent state; pass speculative=None"
             )
         self.state_snapshots = StateSnapshotIndex(
-            self.kv_config, page_size=self.layout.page_size, num_live=self.scheduler_config.max_batch_size
+            self.kv_config, tokens_per_block=self.layout.tokens_per_block, num_live=self.scheduler_config.max_batch_size
         )
         self.state_pool = init_state_pool(
             len(cfg.recurrent_layers), self.state_snapshots.num_slots, cfg.num_heads, cfg.head_dim
@@ -812,7 +812,7 @@ class Engine:
     def _start_states(self, works: Sequence[ScheduledRequest]) -> None:
         """Gives newly admitted requests a live slot: restored from the snapshot at their
         reused prefix (a block boundary), or zeroed when nothing was reused."""
-        index, ps = self.state_snapshots, self.layout.page_size
+        index, ps = self.state_snapshots, self.layout.tokens_per_block
         restores, zeros = [], []
         for w in works:
             if index.live(w.request_id) is not None:
@@ -841,7 +841,7 @@ class Engine:
         if finished and record is not None and self.kv_config.enable_block_reuse:
             sched = record.sched
             tokens = sched.prompt_token_ids + tuple(sched.output_token_ids)
-            full = len(tokens) // self.layout.page_size * self.layout.page_size
+            full = len(tokens) // self.layout.tokens_per_block * self.layout.tokens_per_block
             if full:
                 final_key = self._prefix_keys(sched, tokens[:full])[-1]
         self.state_snapshots.end(request_id, final_key)
@@ -849,7 +849,7 @@ class Engine:
     def _prefix_keys(self, sched: SchedulerRequest, tokens: tuple[int, ...]) -> list[hashing.BlockKey]:
         """Block keys of a request's token prefix (its prompt's own keys when it is one)."""
         if len(tokens) <= len(sched.prompt_token_ids):
-            return sched.prompt_keys[: len(tokens) // self.layout.page_size]
+            return sched.prompt_keys[: len(tokens) // self.layout.tokens_per_block]
         return self.manager.prompt_block_keys(
             tokens, cache_salt=sched.cache_salt, lora_id=sched.lora_id, mm_items=sched.mm_items
         )

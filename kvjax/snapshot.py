@@ -54,7 +54,7 @@ _REPLACED = ".kvjax-replaced-"
 
 
 def _arrays(engine: Engine) -> dict[str, np.ndarray]:
-    """Every array a snapshot holds: ``device_{k,v}_<layer>`` [num_pages, page_size, K, d]
+    """Every array a snapshot holds: ``device_{k,v}_<layer>`` [num_pages, tokens_per_block, K, d]
     and ``host_<group>`` / ``disk_<group>`` (the host and disk tiers' pages of each layer
     group), as stored: a quantized cache's int8 / float8_e4m3fn values under those names and
     their scales beside them as ``device_{k,v}_scales_<layer>``, ``host_scales_<group>`` and

@@ -12,7 +12,7 @@ from kvjax.config import KvCacheConfig
 
 def layout(windows=(64, 64, 64), kv_heads=2, dtype="float32", pages=8) -> CacheLayout:
     groups = len(dict.fromkeys(windows))
-    return CacheLayout(layer_windows=windows, num_pages=(pages,) * groups, page_size=4, num_kv_heads=kv_heads,
+    return CacheLayout(layer_windows=windows, num_pages=(pages,) * groups, tokens_per_block=4, num_kv_heads=kv_heads,
                        head_dim=8, max_seq_len=64, dtype=dtype)
 
 
@@ -23,7 +23,7 @@ def test_bytes_per_token_counts_only_kv_heads(kv_heads, dtype, size):
     assert lay.bytes_per_token == 2 * 3 * kv_heads * 8 * size
     pool = init_pool(lay)
     allocated = sum(a.nbytes for a in pool.k + pool.v)
-    assert allocated == lay.pool_bytes() == lay.bytes_per_token * lay.page_size * 8
+    assert allocated == lay.pool_bytes() == lay.bytes_per_token * lay.tokens_per_block * 8
 
 
 def test_layer_groups_by_window():
@@ -46,7 +46,7 @@ def test_sizing_takes_the_smaller_of_fraction_and_max_tokens():
 
 def test_slot_mapping_and_padding_go_to_the_null_page():
     tables = jnp.array([[5, 2, 7]], jnp.int32)
-    pages, offsets = slot_mapping(tables, jnp.array([[0, 3, 4, 9, -1]], jnp.int32), page_size=4)
+    pages, offsets = slot_mapping(tables, jnp.array([[0, 3, 4, 9, -1]], jnp.int32), tokens_per_block=4)
     np.testing.assert_array_equal(pages, [[5, 5, 2, 7, NULL_PAGE]])
     np.testing.assert_array_equal(offsets, [[0, 3, 0, 1, 0]])
 
@@ -72,6 +72,6 @@ def test_copy_read_write_pages_touch_only_their_group():
 
 def test_layout_rejects_bad_page_counts():
     with pytest.raises(ValueError, match=r"num_pages has 1 entries but the windows \(16, 64\) define 2 layer groups"):
-        CacheLayout(layer_windows=(16, 64), num_pages=(4,), page_size=4, num_kv_heads=1, head_dim=8, max_seq_len=64)
+        CacheLayout(layer_windows=(16, 64), num_pages=(4,), tokens_per_block=4, num_kv_heads=1, head_dim=8, max_seq_len=64)
     with pytest.raises(ValueError, match="must be >= 2 per group"):
-        CacheLayout(layer_windows=(64,), num_pages=(1,), page_size=4, num_kv_heads=1, head_dim=8, max_seq_len=64)
+        CacheLayout(layer_windows=(64,), num_pages=(1,), tokens_per_block=4, num_kv_heads=1, head_dim=8, max_seq_len=64)

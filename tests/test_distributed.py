@@ -64,7 +64,7 @@ def _run_steps(step, tokens: np.ndarray, prefill: int, table: np.ndarray) -> lis
     return out
 
 
-def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens: int = 70, page_size: int = 8) -> dict:
+def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens: int = 70, tokens_per_block: int = 8) -> dict:
     """Chunked prefill + decode on a tiny model, one device (XLA reference) vs the mesh (``attn_impl``)."""
     import jax
     import jax.numpy as jnp
@@ -78,7 +78,7 @@ def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens
     cfg, params = tiny_model(1, **overrides)
     devices = jax.devices()[:3] if name.endswith("_on3") else None
     mesh = distributed.make_mesh(cfg.num_kv_heads, devices=devices)
-    layout = single_group_layout(cfg, 16, page_size)
+    layout = single_group_layout(cfg, 16, tokens_per_block)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, num_tokens).astype(np.int32)
     table = (rng.permutation(15)[: layout.pages_for(num_tokens)] + 1).astype(np.int32)[None]
@@ -184,8 +184,8 @@ def smollm2_case(num_tokens: int = 520) -> dict:
     model = load_model("smollm2-135m")
     cfg = model.config
     mesh = distributed.make_mesh(cfg.num_kv_heads)
-    page_size = 32
-    layout = single_group_layout(cfg, 24, page_size)
+    tokens_per_block = 32
+    layout = single_group_layout(cfg, 24, tokens_per_block)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, num_tokens + 3).astype(np.int32)
     table = (rng.permutation(23)[: layout.pages_for(len(tokens))] + 1).astype(np.int32)[None]

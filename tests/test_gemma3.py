@@ -50,7 +50,7 @@ def test_tokenizer_round_trip_and_sentencepiece_parity(gemma, reference_text):
 def test_logits_match_numpy_forward_past_the_window(gemma, long_ids):
     """640 tokens: longer than the 512-token window, so local layers really drop keys."""
     tokens = np.asarray(long_ids[:640])
-    logits, _, _ = chunked_logits(gemma.params, gemma.config, tokens, [300, 1, 339], page_size=32)
+    logits, _, _ = chunked_logits(gemma.params, gemma.config, tokens, [300, 1, 339], tokens_per_block=32)
     rows = np.array([0, 255, 511, 512, 600, 639])
     expected = numpy_logits(gemma.params, gemma.config, tokens, dtype=np.float32, rows=rows)
     assert np.max(np.abs(logits[rows] - expected)) / np.max(np.abs(expected)) < 1e-3

@@ -16,7 +16,7 @@ from kvjax.config import KvCacheConfig
 
 
 def _layout(windows=(16, 64, 16), pages=6, dtype="float32", host=0, disk=0) -> CacheLayout:
-    return CacheLayout(layer_windows=windows, num_pages=(pages,) * len(dict.fromkeys(windows)), page_size=4,
+    return CacheLayout(layer_windows=windows, num_pages=(pages,) * len(dict.fromkeys(windows)), tokens_per_block=4,
                        num_kv_heads=2, head_dim=8, max_seq_len=64, dtype=dtype, num_host_pages=host, num_disk_pages=disk)
 
 
@@ -29,7 +29,7 @@ def _for_model(**config) -> CacheLayout:
 
 def test_for_model_turns_the_config_into_pages_once():
     base = _for_model(max_tokens=256)
-    assert (base.page_size, base.layer_windows, base.num_pages) == (8, (32, 128, 32, 128), (33, 33))
+    assert (base.tokens_per_block, base.layer_windows, base.num_pages) == (8, (32, 128, 32, 128), (33, 33))
     block = base.bytes_per_block
     assert block == 2 * 4 * 2 * 8 * 16 * 4 == sum(base.bytes_per_page(g) for g in range(2))
     tiers = _for_model(max_tokens=256, host_cache_size=5 * block + block // 2, disk_cache_size=3 * block)
@@ -91,7 +91,7 @@ def test_sequence_slots_read_and_write_round_trip():
     lay = _layout()
     tables = [[3, 5, 1], [2, 4, 5]]  # per group (pages 1..5 of 6)
     positions = np.array([1, 4, 9])
-    page_ids, offsets, valid = sequence_slots(tables, positions, np.array([0, 2, 3]), 5, lay.page_size)
+    page_ids, offsets, valid = sequence_slots(tables, positions, np.array([0, 2, 3]), 5, lay.tokens_per_block)
     np.testing.assert_array_equal(page_ids, [[3, NULL_PAGE, 5, 1, NULL_PAGE], [2, NULL_PAGE, 4, 5, NULL_PAGE]])
     np.testing.assert_array_equal(offsets, [1, 0, 0, 1, 0])
     np.testing.assert_array_equal(valid, [True, False, True, True, False])

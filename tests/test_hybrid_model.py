@@ -34,10 +34,10 @@ def zero_state(cfg: ModelConfig, rows: int) -> jnp.ndarray:
     return jnp.zeros(state_shape(len(cfg.recurrent_layers), rows, cfg.num_heads, cfg.head_dim), jnp.float32)
 
 
-def run_chunks(params: Params, cfg: ModelConfig, tokens: np.ndarray, chunks: list[int], page_size: int = 16):
+def run_chunks(params: Params, cfg: ModelConfig, tokens: np.ndarray, chunks: list[int], tokens_per_block: int = 16):
     """Every position's logits [T, V] and the final state [R, 1, H, d, d] of one sequence fed in ``chunks``."""
-    pages = -(-len(tokens) // page_size)
-    layout = single_group_layout(cfg, pages + 3, page_size)
+    pages = -(-len(tokens) // tokens_per_block)
+    layout = single_group_layout(cfg, pages + 3, tokens_per_block)
     rng = np.random.default_rng(len(chunks))
     table = (jnp.asarray(rng.permutation(pages + 2)[:pages] + 1, jnp.int32)[None],) * layout.num_groups
     pool, state, out, start = init_pool(layout), zero_state(cfg, 1), [], 0

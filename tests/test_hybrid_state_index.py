@@ -20,7 +20,7 @@ def index(num_live: int = 2, **mamba) -> StateSnapshotIndex:
     config = KvCacheConfig(
         tokens_per_block=16, block_reuse_config={"policy": policy, "max_num_turns": turns}, mamba_state_config=mamba
     )
-    return StateSnapshotIndex(config, page_size=16, num_live=num_live)
+    return StateSnapshotIndex(config, tokens_per_block=16, num_live=num_live)
 
 
 def test_boundaries_all_reusable():

@@ -39,7 +39,7 @@ PAGE, KV_HEADS, HEAD_DIM = 4, 2, 8
 
 def layout(dtype: str, granularity: str, pages: int = 8, windows: tuple[int, ...] = (64, 64, 64)) -> CacheLayout:
     groups = len(dict.fromkeys(windows))
-    return CacheLayout(layer_windows=windows, num_pages=(pages,) * groups, page_size=PAGE, num_kv_heads=KV_HEADS,
+    return CacheLayout(layer_windows=windows, num_pages=(pages,) * groups, tokens_per_block=PAGE, num_kv_heads=KV_HEADS,
                        head_dim=HEAD_DIM, max_seq_len=64, dtype=dtype, scale_granularity=granularity)
 
 

@@ -56,8 +56,8 @@ def test_chunked_prefill_and_decode_equal_one_prefill(smollm2, hf_reference):
     """Same logits whether the 546 tokens arrive at once, in uneven chunks, or as a
     prefill followed by single-token decode steps, with a shuffled page table."""
     tokens = hf_reference["token_ids"]
-    whole, _, _ = chunked_logits(smollm2.params, smollm2.config, tokens, [546], page_size=32)
-    chunked, _, _ = chunked_logits(smollm2.params, smollm2.config, tokens, [100, 37, 200, 1, 200, 1, 1, 1, 1, 1, 1, 1, 1], page_size=16, seed=3)
+    whole, _, _ = chunked_logits(smollm2.params, smollm2.config, tokens, [546], tokens_per_block=32)
+    chunked, _, _ = chunked_logits(smollm2.params, smollm2.config, tokens, [100, 37, 200, 1, 200, 1, 1, 1, 1, 1, 1, 1, 1], tokens_per_block=16, seed=3)
     assert rel_err(chunked, whole) < 1e-4
     np.testing.assert_array_equal(chunked.argmax(-1), whole.argmax(-1))
 
@@ -73,7 +73,7 @@ def test_engine_greedy_continuation_matches_hf(smollm2, hf_reference):
 def test_tiny_paged_equals_numpy_mha_gqa_mqa(num_heads, num_kv_heads):
     cfg, params = tiny_model(seed=num_kv_heads, num_heads=num_heads, num_kv_heads=num_kv_heads)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 70)
-    logits, _, _ = chunked_logits(params, cfg, tokens, [33, 1, 30, 1, 5], page_size=8)
+    logits, _, _ = chunked_logits(params, cfg, tokens, [33, 1, 30, 1, 5], tokens_per_block=8)
     assert rel_err(logits, numpy_logits(params, cfg, tokens)) < 1e-4
 
 
@@ -85,5 +85,5 @@ def test_tiny_sliding_window_gemma_style_equals_numpy():
     )
     assert cfg.layer_windows == (8, 8, cfg.max_seq_len)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 50)
-    logits, _, _ = chunked_logits(params, cfg, tokens, [20, 1, 1, 28], page_size=4)
+    logits, _, _ = chunked_logits(params, cfg, tokens, [20, 1, 1, 28], tokens_per_block=4)
     assert rel_err(logits, numpy_logits(params, cfg, tokens)) < 1e-4

@@ -113,7 +113,7 @@ def test_greedy_verification_accepts_the_argmax_run():
 
 def _logits(params, cfg, tokens: np.ndarray, exit_layer: int | None) -> np.ndarray:
     """[T, V] logits of one sequence through the whole model or its first ``exit_layer`` layers."""
-    layout = single_group_layout(cfg, num_pages=4, page_size=8)
+    layout = single_group_layout(cfg, num_pages=4, tokens_per_block=8)
     t = len(tokens)
     logits, _ = forward(
         params, init_pool(layout), jnp.asarray(tokens[None], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None],
@@ -178,7 +178,7 @@ def test_rejection_sampling_emits_the_target_distribution(tiny_distributions, dr
 
 
 def test_draft_slots_come_from_free_pages_only_and_roll_back():
-    layout = CacheLayout(layer_windows=(64,), num_pages=(5,), page_size=4, num_kv_heads=1, head_dim=1, max_seq_len=64)
+    layout = CacheLayout(layer_windows=(64,), num_pages=(5,), tokens_per_block=4, num_kv_heads=1, head_dim=1, max_seq_len=64)
     mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, event_buffer_max_size=100), layout)
     mgr.add_request("old", list(range(1, 9)))
     mgr.allocate("old", 8)

@@ -98,7 +98,7 @@ def sim_layout(cfg: ml_collections.ConfigDict, num_host_pages: int = 0, num_disk
     page, and pages of ``cfg.bytes_per_page`` bytes: one float32 layer with one KV head, as wide as
     that takes, so the byte counters equal those of the model the bytes were taken from."""
     unit = CacheLayout(layer_windows=(cfg.max_seq_len,), num_pages=(cfg.num_device_pages,),
-                       page_size=cfg.tokens_per_block, num_kv_heads=1, head_dim=1, max_seq_len=cfg.max_seq_len)
+                       tokens_per_block=cfg.tokens_per_block, num_kv_heads=1, head_dim=1, max_seq_len=cfg.max_seq_len)
     if cfg.bytes_per_page % unit.bytes_per_page(0):
         raise ValueError(
             f"bytes_per_page={cfg.bytes_per_page} must be a multiple of {unit.bytes_per_page(0)} (the bytes of a "
@@ -164,7 +164,7 @@ def replay(mgr: KVCacheManager, trace: Sequence[TraceRequest], *, priorities: bo
     then its output decoded one token per round (allocate + commit), round-robin over the
     active requests, and freed after its last token. Every manager call is timed.
     """
-    ps = mgr.page_size
+    ps = mgr.tokens_per_block
     seconds = dict.fromkeys(OP_KINDS, 0.0)
     blocks = dict.fromkeys(OP_KINDS, 0)
     calls = dict.fromkeys(OP_KINDS, 0)

@@ -128,13 +128,13 @@ class ChunkStore:
         return len(self.variant_prefix)
 
     @property
-    def page_size(self) -> int:
-        return self.engine.manager.page_size
+    def tokens_per_block(self) -> int:
+        return self.engine.manager.tokens_per_block
 
     def stored_tokens(self, tokens: Sequence[int]) -> tuple[int, ...]:
         """The request that stores a chunk: variant prefix + chunk + ``PAD`` up to a block boundary."""
         stored = (*self.variant_prefix, *(int(t) for t in tokens))
-        return (*stored, *(PAD,) * (-len(stored) % self.page_size))
+        return (*stored, *(PAD,) * (-len(stored) % self.tokens_per_block))
 
     def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
         """Manager keys of the chunk's full blocks under its chunk scope."""
@@ -163,11 +163,11 @@ class ChunkStore:
           RuntimeError: the engine failed the prefill (the other requests went on).
         """
         tokens = check_token_ids(tokens, "tokens", self.engine.model.config.vocab_size)
-        limit = self.engine.max_seq_len - self.stored_start - self.page_size  # room for the pads and one sample
+        limit = self.engine.max_seq_len - self.stored_start - self.tokens_per_block  # room for the pads and one sample
         if not 1 <= len(tokens) <= limit:
             raise ValueError(
                 f"a chunk of {len(tokens)} tokens must hold between 1 and engine.max_seq_len={self.engine.max_seq_len} "
-                f"- {self.stored_start} (the {self.variant!r} prefix) - page_size = {limit} tokens"
+                f"- {self.stored_start} (the {self.variant!r} prefix) - tokens_per_block = {limit} tokens"
             )
         windows = self.engine.manager.group_windows
         if len(windows) > 1 and len(self.stored_tokens(tokens)) + 1 > min(windows):
@@ -236,7 +236,7 @@ class ChunkStore:
         Returns:
           (page_ids [G, padded] int32, offsets [padded] int32, valid [padded] bool).
         """
-        return sequence_slots(tables, np.asarray(stored), np.arange(at, at + len(stored)), padded, self.page_size)
+        return sequence_slots(tables, np.asarray(stored), np.arange(at, at + len(stored)), padded, self.tokens_per_block)
 
 
 __all__ = ["ChunkStore", "Lease", "PAD", "SENTINEL", "StoreStats", "VARIANTS", "Variant"]

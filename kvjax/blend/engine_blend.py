@@ -183,7 +183,7 @@ def blended_prefill(
     roles = reuse.roles(n)
     p = roles.prefix_len
     padded = round_up(n, reuse.token_bucket)
-    ps = engine.layout.page_size
+    ps = engine.layout.tokens_per_block
     own = [manager.block_table(request_id, g) for g in range(engine.layout.num_groups)]
     # Tokens matched in the blend scope: their fused KV is already in the request's own pages
     # (a windowed group shows the null page outside its window; no row attends there).

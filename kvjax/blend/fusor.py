@@ -172,7 +172,7 @@ def blend_layer(
     seq_v = seq_v.at[target].set(v[0].astype(seq_v.dtype), mode="drop")
     out = attend_rows(
         q[0], row_pos, seq_k, seq_v, inputs.length[0], sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer),
-        page_size=layout.page_size, attn_impl=attn_impl,
+        tokens_per_block=layout.tokens_per_block, attn_impl=attn_impl,
     )  # [M, H, d]
     x = transformer.finish_layer(lp, cfg, rows.x[None], out[None])[0]
     return rows.replace(x=x), seq_k, seq_v, out
@@ -187,7 +187,7 @@ def attend_rows(
     *,
     sm_scale: float,
     sliding_window: int | None,
-    page_size: int,
+    tokens_per_block: int,
     attn_impl: attention.Impl,
 ) -> jax.Array:
     """Attention of the recomputed rows over the sequence's fused contiguous K/V.
@@ -198,7 +198,7 @@ def attend_rows(
 
     Args:
       q: [M, H, d]; q_positions: [M] int32 (negative = padding row, output zero).
-      seq_k, seq_v: [T, K, d] (T a multiple of ``page_size``); length: [] int32 valid slots.
+      seq_k, seq_v: [T, K, d] (T a multiple of ``tokens_per_block``); length: [] int32 valid slots.
 
     Returns:
       [M, H, d] in q's dtype.
@@ -207,10 +207,10 @@ def attend_rows(
     if attn_impl in ("auto", "blocked") and jax.default_backend() == "cpu":
         return row_attention(q, q_positions, seq_k, seq_v, length, **options)
     t = seq_k.shape[0]
-    pages = (t // page_size, page_size, *seq_k.shape[1:])
+    pages = (t // tokens_per_block, tokens_per_block, *seq_k.shape[1:])
     return attention.partial_attention(
         q[None], q_positions[None], seq_k.reshape(pages), seq_v.reshape(pages), length[None],
-        jnp.arange(t // page_size, dtype=jnp.int32)[None], impl=attn_impl, **options,
+        jnp.arange(t // tokens_per_block, dtype=jnp.int32)[None], impl=attn_impl, **options,
     )[0]
 
 
@@ -378,7 +378,7 @@ def blend_prefill(
     new row capacity, with no faster run time); ``write_fused`` then fills the pages.
 
     Args:
-      inputs: T must be a multiple of ``layout.page_size``.
+      inputs: T must be a multiple of ``layout.tokens_per_block``.
       phases: if given, receives the seconds of each phase ("reposition", "check_layers",
         "row_layers", "logits_write"), waiting for each to finish before the next starts.
 
@@ -389,8 +389,8 @@ def blend_prefill(
       the fused KV ``k``, ``v`` [L, T, K, d] of the sequence and the ``features`` [T, F] of
       every token at the first check layer (zeros without checks).
     """
-    if inputs.tokens.shape[0] % layout.page_size:
-        raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of page_size={layout.page_size}")
+    if inputs.tokens.shape[0] % layout.tokens_per_block:
+        raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of tokens_per_block={layout.tokens_per_block}")
     clock = _PhaseClock(phases)
     inputs = jax.device_put(inputs)
     seq_k, seq_v = prepare(pool, inputs, cfg=cfg, layout=layout)

@@ -3,7 +3,7 @@
 Each layer group has one host pool (numpy, ``layout.num_host_pages`` pages) and, with a disk
 tier, one disk pool (the same arrays memory-mapped from files, ``layout.num_disk_pages``
 pages). A pool's pages are stored as ``kvjax.cache.pool.read_pages`` returns them: K and V
-stacked on axis 0, [2, group_layers, num_pages, page_size, num_kv_heads, head_dim], or for a
+stacked on axis 0, [2, group_layers, num_pages, tokens_per_block, num_kv_heads, head_dim], or for a
 quantized dtype ``QuantizedPages`` of such values and [2, group_layers, num_pages,
 scale_slots, num_kv_heads] float32 scales.
 

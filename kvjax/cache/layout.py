@@ -7,8 +7,9 @@ Glossary (used in shape comments across ``kvjax.cache`` and the model):
   num_pages       pages in one group's device pool (the null page included)
   num_host_pages  pages in one group's host pool (ids from 0; 0 = no host tier)
   num_disk_pages  pages in one group's disk pool (ids from 0; 0 = no disk tier)
-  page_size       tokens per page: ``KvCacheConfig.tokens_per_block``, read only by
-                  ``CacheLayout.for_model``; everything after it reads ``layout.page_size``
+  tokens_per_block  tokens per page and block: ``KvCacheConfig.tokens_per_block``, read
+                  only by ``CacheLayout.for_model``; everything after it reads
+                  ``layout.tokens_per_block``
   num_kv_heads    KV heads (MHA = query heads, GQA fewer, MQA 1)
   head_dim        per-head width
   max_seqs        sequences in a batch
@@ -47,7 +48,7 @@ class CacheLayout:
       layer_windows: attention window of each layer in tokens, <= max_seq_len (full layers
         carry max_seq_len).
       num_pages: device pages per group pool, in group order (null page included).
-      page_size: tokens per page (``KvCacheConfig.tokens_per_block``).
+      tokens_per_block: tokens per page (``KvCacheConfig.tokens_per_block``).
       num_kv_heads, head_dim: KV geometry.
       max_seq_len: longest sequence; a window >= max_seq_len means full attention.
       dtype: KV dtype name: "float32", "bfloat16", "float16", or the quantized "int8" /
@@ -60,7 +61,7 @@ class CacheLayout:
 
     layer_windows: tuple[int, ...]
     num_pages: tuple[int, ...]
-    page_size: int
+    tokens_per_block: int
     num_kv_heads: int
     head_dim: int
     max_seq_len: int
@@ -72,8 +73,8 @@ class CacheLayout:
     def __post_init__(self) -> None:
         if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1:
             raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive int (tokens)")
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size={self.page_size!r} must be a positive int (tokens per page)")
+        if isinstance(self.tokens_per_block, bool) or not isinstance(self.tokens_per_block, int) or self.tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block={self.tokens_per_block!r} must be a positive int (tokens per page)")
         windows = self.layer_windows
         if not windows or not all(isinstance(w, int) and 0 < w <= self.max_seq_len for w in windows):
             raise ValueError(
@@ -143,7 +144,7 @@ class CacheLayout:
         else:
             windows = tuple(min(w, max_seq_len) for w in model_windows)
         probe = cls(
-            layer_windows=windows, num_pages=(2,) * len(dict.fromkeys(windows)), page_size=kv_config.tokens_per_block,
+            layer_windows=windows, num_pages=(2,) * len(dict.fromkeys(windows)), tokens_per_block=kv_config.tokens_per_block,
             num_kv_heads=num_kv_heads, head_dim=head_dim, max_seq_len=max_seq_len,
             dtype=model_dtype if kv_config.dtype == "auto" else kv_config.dtype,
             scale_granularity=kv_config.scale_granularity,
@@ -245,31 +246,31 @@ class CacheLayout:
 
     @property
     def scale_slots(self) -> int:
-        """Scales per page and KV head: page_size ("token"), 1 ("page"), 0 (float dtypes)."""
+        """Scales per page and KV head: tokens_per_block ("token"), 1 ("page"), 0 (float dtypes)."""
         if not self.quantized:
             return 0
-        return self.page_size if self.scale_granularity == "token" else 1
+        return self.tokens_per_block if self.scale_granularity == "token" else 1
 
     @property
     def bytes_per_page_layer(self) -> int:
         """K and V bytes of one page in one layer, scales included:
-        2 · kv_heads · (page_size · head_dim · bytes(dtype) + scale_slots · 4)."""
-        values = self.page_size * self.head_dim * self.jnp_dtype.itemsize
+        2 · kv_heads · (tokens_per_block · head_dim · bytes(dtype) + scale_slots · 4)."""
+        values = self.tokens_per_block * self.head_dim * self.jnp_dtype.itemsize
         return 2 * self.num_kv_heads * (values + self.scale_slots * SCALE_DTYPE.itemsize)
 
     @property
     def bytes_per_token_layer(self) -> int:
         """K and V bytes of one token in one layer, scales included, rounded up to whole bytes:
-        ceil(bytes_per_page_layer / page_size)."""
-        return -(-self.bytes_per_page_layer // self.page_size)
+        ceil(bytes_per_page_layer / tokens_per_block)."""
+        return -(-self.bytes_per_page_layer // self.tokens_per_block)
 
     @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token over all layers, scales included, rounded up to whole bytes:
-        ceil(layers · bytes_per_page_layer / page_size). For the float dtypes exactly
+        ceil(layers · bytes_per_page_layer / tokens_per_block). For the float dtypes exactly
         2 · layers · kv_heads · head_dim · bytes(dtype); per-token scales add 2 · layers ·
-        kv_heads · 4; per-page scales add that divided by page_size."""
-        return -(-self.num_layers * self.bytes_per_page_layer // self.page_size)
+        kv_heads · 4; per-page scales add that divided by tokens_per_block."""
+        return -(-self.num_layers * self.bytes_per_page_layer // self.tokens_per_block)
 
     def bytes_per_page(self, group: int) -> int:
         """K and V bytes (scales included) of one page of ``group`` (all layers of the group)."""
@@ -284,8 +285,8 @@ class CacheLayout:
         return sum(self.bytes_per_page(g) * n for g, n in enumerate(self.num_pages))
 
     def page_shape(self, layer: int) -> tuple[int, ...]:
-        """Shape of one layer's pages: [num_pages, page_size, num_kv_heads, head_dim]."""
-        return (self.num_pages[self.layer_group[layer]], self.page_size, self.num_kv_heads, self.head_dim)
+        """Shape of one layer's pages: [num_pages, tokens_per_block, num_kv_heads, head_dim]."""
+        return (self.num_pages[self.layer_group[layer]], self.tokens_per_block, self.num_kv_heads, self.head_dim)
 
     def window_of(self, layer: int) -> int | None:
         """The layer's sliding window, or None if the layer attends to the whole sequence."""
@@ -293,7 +294,7 @@ class CacheLayout:
         return window if window < self.max_seq_len else None
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return -(-num_tokens // self.tokens_per_block)
 
     def disk_pages(self, group: int, num_pages: int, folder: pathlib.Path) -> np.ndarray | QuantizedPages:
         """A disk pool for ``group``: ``host_zeros``'s arrays, each memory-mapped from a new file
@@ -311,11 +312,11 @@ class CacheLayout:
 
     def host_zeros(self, group: int, num_pages: int) -> np.ndarray | QuantizedPages:
         """A host (numpy) pool for ``group`` of ``num_pages`` pages, K and V stacked on axis 0:
-        [2, group_layers, num_pages, page_size, kv_heads, head_dim], or for a quantized dtype
+        [2, group_layers, num_pages, tokens_per_block, kv_heads, head_dim], or for a quantized dtype
         ``QuantizedPages`` of such values and [2, group_layers, num_pages, scale_slots, kv_heads]
         scales (the layout of ``kvjax.cache.pool.read_pages``)."""
         lead = (2, self.group_layers[group], num_pages)
-        values = np.zeros((*lead, self.page_size, self.num_kv_heads, self.head_dim), dtype=self.jnp_dtype)
+        values = np.zeros((*lead, self.tokens_per_block, self.num_kv_heads, self.head_dim), dtype=self.jnp_dtype)
         if not self.quantized:
             return values
         return QuantizedPages(values=values, scales=np.zeros((*lead, self.scale_slots, self.num_kv_heads), SCALE_DTYPE))

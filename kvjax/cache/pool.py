@@ -1,6 +1,6 @@
 """The device page pool and pure, jittable operations on it.
 
-A pool holds, per layer, K and V as ``[num_pages, page_size, num_kv_heads, head_dim]`` (or,
+A pool holds, per layer, K and V as ``[num_pages, tokens_per_block, num_kv_heads, head_dim]`` (or,
 for a quantized dtype, ``QuantizedPages`` of such values plus their scales, see
 ``kvjax.cache.quant``); the layers of one group (same attention window) share page ids and a
 block table. Only KV heads are stored, so a token costs ``layout.bytes_per_token``:
@@ -30,7 +30,7 @@ class PagePool:
     """K and V pages of every layer.
 
     Attributes:
-      k, v: one entry per layer, [num_pages(group of the layer), page_size, num_kv_heads,
+      k, v: one entry per layer, [num_pages(group of the layer), tokens_per_block, num_kv_heads,
         head_dim] arrays, or ``QuantizedPages`` of that shape for a quantized dtype.
     """
 
@@ -51,13 +51,13 @@ def init_pool(layout: CacheLayout) -> PagePool:
     return PagePool(k=k, v=v)
 
 
-def slot_mapping(block_tables: jax.Array, positions: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+def slot_mapping(block_tables: jax.Array, positions: jax.Array, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
     """Where each token's KV lives.
 
     Args:
       block_tables: [max_seqs, pages_per_seq] int32.
       positions: [max_seqs, num_tokens] int32 absolute positions; negative = padding.
-      page_size: tokens per page.
+      tokens_per_block: tokens per page.
 
     Returns:
       (page ids, offsets in page), both [max_seqs, num_tokens] int32; padding tokens map
@@ -65,9 +65,9 @@ def slot_mapping(block_tables: jax.Array, positions: jax.Array, page_size: int) 
     """
     valid = positions >= 0
     safe = jnp.where(valid, positions, 0)
-    pages = jnp.take_along_axis(block_tables, safe // page_size, axis=1, mode="clip")
+    pages = jnp.take_along_axis(block_tables, safe // tokens_per_block, axis=1, mode="clip")
     pages = jnp.where(valid, pages, NULL_PAGE)
-    offsets = jnp.where(valid, safe % page_size, 0)
+    offsets = jnp.where(valid, safe % tokens_per_block, 0)
     return pages, offsets
 
 
@@ -78,7 +78,7 @@ def write_layer(pages: Pages, page_ids: jax.Array, offsets: jax.Array, values: j
     XLA select over the whole pool on every write.
 
     Args:
-      pages: [num_pages, page_size, num_kv_heads, head_dim], or ``QuantizedPages``.
+      pages: [num_pages, tokens_per_block, num_kv_heads, head_dim], or ``QuantizedPages``.
       page_ids, offsets: [max_seqs, num_tokens] from ``slot_mapping``.
       values: [max_seqs, num_tokens, num_kv_heads, head_dim].
     """
@@ -124,7 +124,7 @@ def read_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.Ar
     """K and V of ``page_ids`` in ``group``, as stored (quantized pages keep their scales).
 
     Returns:
-      [2, group_layers, len(page_ids), page_size, kv_heads, head_dim], or ``QuantizedPages``
+      [2, group_layers, len(page_ids), tokens_per_block, kv_heads, head_dim], or ``QuantizedPages``
       of such values and [2, group_layers, len(page_ids), scale_slots, kv_heads] scales.
     """
     layers = _group_layers(layout, group)
@@ -146,7 +146,7 @@ def write_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.A
 
 
 def sequence_slots(
-    tables: Sequence[Sequence[int]], positions: np.ndarray, tokens: np.ndarray, num_tokens: int, page_size: int
+    tables: Sequence[Sequence[int]], positions: np.ndarray, tokens: np.ndarray, num_tokens: int, tokens_per_block: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host-side slot arrays that place the KV stored at ``positions`` of a block table at
     token indices ``tokens`` of a ``num_tokens``-token sequence (the addresses
@@ -156,7 +156,7 @@ def sequence_slots(
       tables: one block table (page ids) per layer group.
       positions: [n] token positions within the tables' sequence.
       tokens: [n] indices in [0, num_tokens) that receive them.
-      page_size: tokens per page.
+      tokens_per_block: tokens per page.
 
     Returns:
       (page_ids [num_groups, num_tokens] int32, offsets [num_tokens] int32, valid
@@ -167,8 +167,8 @@ def sequence_slots(
     offsets = np.zeros(num_tokens, np.int32)
     valid = np.zeros(num_tokens, bool)
     for g, table in enumerate(tables):
-        page_ids[g, tokens] = np.asarray(table, np.int32)[positions // page_size]
-    offsets[tokens] = positions % page_size
+        page_ids[g, tokens] = np.asarray(table, np.int32)[positions // tokens_per_block]
+    offsets[tokens] = positions % tokens_per_block
     valid[tokens] = True
     return page_ids, offsets, valid
 
@@ -209,7 +209,7 @@ def write_sequence(
       positions: [T] int32 absolute positions; negative = not written.
       k, v: one [T, num_kv_heads, head_dim] array per layer each.
     """
-    slots = [slot_mapping(table[None], positions[None], layout.page_size) for table in block_tables]
+    slots = [slot_mapping(table[None], positions[None], layout.tokens_per_block) for table in block_tables]
 
     def write(pages: Pages, values: jax.Array, layer: int) -> Pages:
         page_ids, offsets = slots[layout.layer_group[layer]]

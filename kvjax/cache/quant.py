@@ -1,11 +1,11 @@
 """Quantized KV pages: int8 or fp8 (float8_e4m3fn) values with float32 scales.
 
 A quantized layer's pages are one pytree, ``QuantizedPages(values, scales)``, used wherever a
-full-precision layer's ``[num_pages, page_size, num_kv_heads, head_dim]`` array is: the page
+full-precision layer's ``[num_pages, tokens_per_block, num_kv_heads, head_dim]`` array is: the page
 ops of ``kvjax.cache.pool`` and the attention entry points accept either. Symmetric absmax
 quantization over ``head_dim``; the scale granularity is fixed by the scales' second axis:
 
-  "token"  scales [num_pages, page_size, num_kv_heads]: one scale per token and KV head, set
+  "token"  scales [num_pages, tokens_per_block, num_kv_heads]: one scale per token and KV head, set
            when the token is written; nothing written earlier ever changes.
   "page"   scales [num_pages, 1, num_kv_heads]: one scale per page and KV head, the running
            absmax of the page's tokens. A write whose tokens exceed the page's scale raises it
@@ -45,8 +45,8 @@ class QuantizedPages:
     """One layer's quantized K (or V) pages.
 
     Attributes:
-      values: [num_pages, page_size, num_kv_heads, head_dim] int8 or float8_e4m3fn.
-      scales: [num_pages, page_size or 1, num_kv_heads] float32 (per token or per page).
+      values: [num_pages, tokens_per_block, num_kv_heads, head_dim] int8 or float8_e4m3fn.
+      scales: [num_pages, tokens_per_block or 1, num_kv_heads] float32 (per token or per page).
     """
 
     values: jax.Array
@@ -89,8 +89,8 @@ def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
     """``values * scales`` in float32.
 
     Args:
-      values: [..., page_size, num_kv_heads, head_dim].
-      scales: [..., page_size or 1, num_kv_heads].
+      values: [..., tokens_per_block, num_kv_heads, head_dim].
+      scales: [..., tokens_per_block or 1, num_kv_heads].
     """
     return values.astype(jnp.float32) * scales[..., None]
 
@@ -101,11 +101,11 @@ def dequantize_pages(pages: jax.Array | QuantizedPages) -> jax.Array:
 
 
 def init_quantized(shape: tuple[int, ...], dtype: jnp.dtype, granularity: str) -> QuantizedPages:
-    """Zeroed pages of ``shape`` = [num_pages, page_size, num_kv_heads, head_dim]."""
+    """Zeroed pages of ``shape`` = [num_pages, tokens_per_block, num_kv_heads, head_dim]."""
     if granularity not in SCALE_GRANULARITIES:
         raise ValueError(f"scale_granularity={granularity!r} must be one of {SCALE_GRANULARITIES}")
-    num_pages, page_size, num_kv_heads, _ = shape
-    scale_slots = page_size if granularity == "token" else 1
+    num_pages, tokens_per_block, num_kv_heads, _ = shape
+    scale_slots = tokens_per_block if granularity == "token" else 1
     return QuantizedPages(
         values=jnp.zeros(shape, dtype), scales=jnp.zeros((num_pages, scale_slots, num_kv_heads), SCALE_DTYPE)
     )
@@ -120,9 +120,9 @@ def write_quantized(pages: QuantizedPages, page_ids: jax.Array, offsets: jax.Arr
       x: [max_seqs, num_tokens, num_kv_heads, head_dim] float.
     """
     dtype = pages.values.dtype
-    num_pages, page_size = pages.values.shape[:2]
+    num_pages, tokens_per_block = pages.values.shape[:2]
     token_scales = absmax_scale(x, dtype)  # [S, T, K]
-    if pages.scales.shape[1] == page_size:
+    if pages.scales.shape[1] == tokens_per_block:
         return QuantizedPages(
             values=pages.values.at[page_ids, offsets].set(quantize(x, token_scales, dtype), mode="promise_in_bounds"),
             scales=pages.scales.at[page_ids, offsets].set(token_scales, mode="promise_in_bounds"),
@@ -134,7 +134,7 @@ def write_quantized(pages: QuantizedPages, page_ids: jax.Array, offsets: jax.Arr
     ratio = jnp.where(new > 0, base / jnp.where(new > 0, new, 1.0), 1.0)  # [P, K], <= 1
     values = pages.values
     if page_ids.size < num_pages:  # re-quantize only the written pages (duplicates write equal pages)
-        touched = values[page_ids]  # [S, T, page_size, K, d]
+        touched = values[page_ids]  # [S, T, tokens_per_block, K, d]
         rescaled = _to_storage(touched.astype(jnp.float32) * ratio[page_ids][:, :, None, :, None], dtype)
         values = values.at[page_ids].set(rescaled, mode="promise_in_bounds")
     else:  # the write covers more slots than the pool has pages: one pass over the pool is cheaper

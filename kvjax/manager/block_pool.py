@@ -45,7 +45,7 @@ class BlockPool:
       num_device_pages: device pool size, the null page included.
       num_host_pages: host pool size (0 = no offload).
       num_disk_pages: disk pool size (0 = host victims are dropped); needs a host tier.
-      page_size: tokens per page (the layout's ``page_size``).
+      tokens_per_block: tokens per page (the layout's ``tokens_per_block``).
       offload_min_priority: ``secondary_offload_min_priority``.
       bytes_per_page: bytes moved by one page operation (0 = not counted).
       ops, events, stats: shared with the manager (page-op queue, event buffer, counters).
@@ -60,7 +60,7 @@ class BlockPool:
         num_device_pages: int,
         num_host_pages: int,
         num_disk_pages: int = 0,
-        page_size: int,
+        tokens_per_block: int,
         offload_min_priority: int,
         bytes_per_page: int,
         ops: list[PageOp],
@@ -73,7 +73,7 @@ class BlockPool:
         self.num_device_pages = num_device_pages
         self.num_host_pages = num_host_pages
         self.num_disk_pages = num_disk_pages
-        self.page_size = page_size
+        self.tokens_per_block = tokens_per_block
         self.offload_min_priority = offload_min_priority
         self.bytes_per_page = bytes_per_page
         self.ops = ops

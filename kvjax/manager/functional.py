@@ -12,7 +12,7 @@ Glossary:
   max_seqs      block-table rows (sequence slots)
   max_blocks    block-table width (pages_per_seq)
   index_slots   slots of the open-addressing block index (a power of two >= 2 num_pages)
-  page_size     tokens per page and block
+  tokens_per_block     tokens per page and block
 
 Life of a page (the null page is never handed out)::
 
@@ -70,7 +70,7 @@ class PageState:
         ``num_blocks``).
       num_blocks: [max_seqs] pages held by each row.
       seq_lens: [max_seqs] tokens each row has cache slots for.
-      page_size: tokens per page (static).
+      tokens_per_block: tokens per page (static).
     """
 
     free_pages: jax.Array
@@ -86,7 +86,7 @@ class PageState:
     block_tables: jax.Array
     num_blocks: jax.Array
     seq_lens: jax.Array
-    page_size: int = flax.struct.field(pytree_node=False)
+    tokens_per_block: int = flax.struct.field(pytree_node=False)
 
     @property
     def num_pages(self) -> int:
@@ -101,14 +101,14 @@ class PageState:
         return self.block_tables.shape[1]
 
 
-def init_state(num_pages: int, max_seqs: int, max_blocks: int, page_size: int) -> PageState:
+def init_state(num_pages: int, max_seqs: int, max_blocks: int, tokens_per_block: int) -> PageState:
     """An empty pool: every page but ``NULL_PAGE`` free, no rows, an empty index.
 
     Raises:
       ValueError: naming the argument outside its range.
     """
     for name, value, low in (("num_pages", num_pages, 2), ("max_seqs", max_seqs, 1), ("max_blocks", max_blocks, 1),
-                             ("page_size", page_size, 1)):
+                             ("tokens_per_block", tokens_per_block, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name}={value!r} must be an int >= {low}")
     slots = 1 << (2 * num_pages - 1).bit_length()
@@ -128,7 +128,7 @@ def init_state(num_pages: int, max_seqs: int, max_blocks: int, page_size: int) -
         block_tables=jnp.full((max_seqs, max_blocks), NULL_PAGE, jnp.int32),
         num_blocks=jnp.zeros(max_seqs, jnp.int32),
         seq_lens=jnp.zeros(max_seqs, jnp.int32),
-        page_size=int(page_size),
+        tokens_per_block=int(tokens_per_block),
     )
 
 
@@ -248,7 +248,7 @@ def allocate(state: PageState, row: jax.Array, num_tokens: jax.Array) -> tuple[P
     """
     j = jnp.arange(state.max_blocks)
     held = state.num_blocks[row]
-    target = (num_tokens + state.page_size - 1) // state.page_size
+    target = (num_tokens + state.tokens_per_block - 1) // state.tokens_per_block
     need = (j >= held) & (j < target)
     new, pages, ok = take_pages(state, need)
     new = new.replace(
@@ -272,7 +272,7 @@ def append_tokens(state: PageState, active: jax.Array) -> tuple[PageState, jax.A
     """
     rows = jnp.arange(state.max_seqs)
     position = state.seq_lens
-    need = active & (position == state.num_blocks * state.page_size)
+    need = active & (position == state.num_blocks * state.tokens_per_block)
     state, pages, ok = take_pages(state, need)
     column = jnp.where(need, state.num_blocks, state.max_blocks)
     state = state.replace(
@@ -329,7 +329,7 @@ def acquire_prefix(state: PageState, row: jax.Array, pages: jax.Array, num_match
         ref_counts=state.ref_counts.at[jnp.where(take, pages, state.num_pages)].add(1, mode="drop"),
         block_tables=state.block_tables.at[row].set(table),
         num_blocks=state.num_blocks.at[row].set(num_matched),
-        seq_lens=state.seq_lens.at[row].set(num_matched * state.page_size),
+        seq_lens=state.seq_lens.at[row].set(num_matched * state.tokens_per_block),
     )
 
 

@@ -4,11 +4,11 @@ The manager decides which page holds which tokens; it never touches KV values. P
 engine calls ``allocate``, executes ``take_page_ops()`` in order, runs the forward pass over
 ``block_table(...)`` and reports written tokens with ``commit_tokens``.
 
-Token regions of one sequence (``page_size`` = ``tokens_per_block``)::
+Token regions of one sequence (a page holds ``tokens_per_block`` tokens)::
 
     |<------------- committed (KV written) ------------->|<-- allocated, not committed -->|
     |<- full blocks: keyed, in the tree ->|<- private ->|   (chunk being computed, drafts)
-    0                                     k*page_size    n                               num_allocated
+    0                                     k*tokens_per_block    n                               num_allocated
 
 Reuse (``add_request``) finds the longest prefix whose blocks are cached in *every* layer
 group, at most ``len(prompt) - 1`` tokens so the last prompt token is always computed and
@@ -118,7 +118,7 @@ class KVCacheManager:
       config: the cache policy (reuse, partial reuse, offload threshold, events, ...).
       layout: the cache geometry (``CacheLayout.for_model``): layer windows, device pages per
         group (``NULL_PAGE`` included), host and disk pages per group, ``max_seq_len``, the
-        page size and the bytes of a page of each group (only counted). Its ``page_size``
+        page size and the bytes of a page of each group (only counted). Its ``tokens_per_block``
         must equal ``config.tokens_per_block``.
       clock: seconds, monotonic; drives retention durations (inject a fake one in tests).
     """
@@ -134,9 +134,9 @@ class KVCacheManager:
             raise TypeError(f"config must be a KvCacheConfig, got {type(config).__name__}")
         if not isinstance(layout, CacheLayout):
             raise TypeError(f"layout must be a CacheLayout, got {type(layout).__name__}")
-        if layout.page_size != config.tokens_per_block:
+        if layout.tokens_per_block != config.tokens_per_block:
             raise ValueError(
-                f"layout.page_size={layout.page_size} must equal config.tokens_per_block={config.tokens_per_block}; "
+                f"layout.tokens_per_block={layout.tokens_per_block} must equal config.tokens_per_block={config.tokens_per_block}; "
                 "build the layout from this config (CacheLayout.for_model)"
             )
         self.config = config
@@ -158,7 +158,7 @@ class KVCacheManager:
                 num_device_pages=layout.num_pages[g],
                 num_host_pages=layout.num_host_pages,
                 num_disk_pages=layout.num_disk_pages,
-                page_size=layout.page_size,
+                tokens_per_block=layout.tokens_per_block,
                 offload_min_priority=config.secondary_offload_min_priority,
                 bytes_per_page=layout.bytes_per_page(g),
                 ops=self._ops,
@@ -175,9 +175,9 @@ class KVCacheManager:
     # ================================================================== geometry (read from the layout)
 
     @property
-    def page_size(self) -> int:
+    def tokens_per_block(self) -> int:
         """Tokens per page and block."""
-        return self.layout.page_size
+        return self.layout.tokens_per_block
 
     @property
     def max_seq_len(self) -> int:
@@ -303,7 +303,7 @@ class KVCacheManager:
         stats = RequestStats(
             prompt_tokens=len(prompt),
             reused_tokens=plan.num_tokens,
-            prompt_blocks=len(prompt) // self.page_size,
+            prompt_blocks=len(prompt) // self.tokens_per_block,
             reused_blocks=plan.num_full_blocks,
         )
         seq = _Sequence(
@@ -344,7 +344,7 @@ class KVCacheManager:
             raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
         if num_total_tokens <= seq.num_allocated:
             return
-        num_blocks = -(-num_total_tokens // self.page_size)
+        num_blocks = -(-num_total_tokens // self.tokens_per_block)
         for blocks in seq.blocks:
             if len(blocks) < num_blocks:
                 break
@@ -385,13 +385,13 @@ class KVCacheManager:
         if num_total_tokens <= seq.num_allocated:
             return seq.num_allocated
         held = len(seq.blocks[0])
-        extra = max(0, min([-(-num_total_tokens // self.page_size) - held] + [len(p.device_free) for p in self.pools]))
+        extra = max(0, min([-(-num_total_tokens // self.tokens_per_block) - held] + [len(p.device_free) for p in self.pools]))
         for pool, blocks in zip(self.pools, seq.blocks):
             for _ in range(extra):
                 block = pool.new_block()
                 block.ref_count = 1
                 blocks.append(block)
-        seq.num_allocated = max(seq.num_allocated, min(num_total_tokens, (held + extra) * self.page_size))
+        seq.num_allocated = max(seq.num_allocated, min(num_total_tokens, (held + extra) * self.tokens_per_block))
         return seq.num_allocated
 
     def commit_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -419,7 +419,7 @@ class KVCacheManager:
             )
         self._expire()
         seq.tokens.extend(tokens)
-        ps = self.page_size
+        ps = self.tokens_per_block
         if self.config.enable_block_reuse and n1 // ps > n0 // ps:
             now = self.clock()
             for b in range(n0 // ps, n1 // ps):
@@ -448,7 +448,7 @@ class KVCacheManager:
                 f"num_tokens={num_tokens!r} must be an int in [0, {pending}] (uncommitted slots of {request_id!r})"
             )
         seq.num_allocated -= num_tokens
-        num_blocks = -(-seq.num_allocated // self.page_size)
+        num_blocks = -(-seq.num_allocated // self.tokens_per_block)
         for pool, blocks in zip(self.pools, seq.blocks):
             while len(blocks) > num_blocks:
                 block = blocks.pop()
@@ -582,19 +582,19 @@ class KVCacheManager:
         the next token (position num_tokens) attends to positions > num_tokens - window."""
         if pool.tree_rule:
             return 0
-        return max(0, num_tokens - pool.window + 1) // self.page_size
+        return max(0, num_tokens - pool.window + 1) // self.tokens_per_block
 
     def _prompt_keys(self, prompt: tuple[int, ...], items: tuple[HashedItem, ...], root: BlockKey) -> list[BlockKey]:
         """Keys of the full prompt blocks (empty with reuse off)."""
         if not self.config.enable_block_reuse:
             return []
-        return chain_keys(root, pack_ids(prompt), self.page_size, items)
+        return chain_keys(root, pack_ids(prompt), self.tokens_per_block, items)
 
     def _plan(
         self, prompt: tuple[int, ...], keys: list[BlockKey], root: BlockKey, items: tuple[HashedItem, ...]
     ) -> _Plan:
         """The longest prefix every group can provide, and where each group gets it from."""
-        ps = self.page_size
+        ps = self.tokens_per_block
         cap = len(prompt) - 1
         none = _Plan(0, 0, 0, [_GroupPlan(0, []) for _ in self.pools])
         if not self.config.enable_block_reuse or cap < 1:
@@ -726,7 +726,7 @@ class KVCacheManager:
         return blocks
 
     def _set_priority(self, pool: BlockPool, block: Block, seq: _Sequence, b: int, now: float) -> None:
-        priority, duration_ms = block_priority(seq.retention, b * self.page_size, (b + 1) * self.page_size, len(seq.prompt))
+        priority, duration_ms = block_priority(seq.retention, b * self.tokens_per_block, (b + 1) * self.tokens_per_block, len(seq.prompt))
         expiry = None if duration_ms is None else now + duration_ms / 1000.0
         pool.set_priority(block, priority, expiry)
         if expiry is not None:
@@ -734,7 +734,7 @@ class KVCacheManager:
 
     def _store_block(self, seq: _Sequence, b: int, now: float) -> None:
         """Keys full block ``b`` of a sequence and inserts it in every group holding it."""
-        ps = self.page_size
+        ps = self.tokens_per_block
         parent = seq.keys[b - 1] if b else seq.root
         tokens = tuple(seq.tokens[b * ps : (b + 1) * ps])
         items = items_in(seq.items, b * ps, (b + 1) * ps) if seq.items else ()

@@ -68,7 +68,7 @@ class KVCacheManagerV2:
         self.layout = layout
         self.max_blocks = layout.pages_for(layout.max_seq_len)
         self.states: tuple[F.PageState, ...] = tuple(
-            F.init_state(n, max_seqs, self.max_blocks, layout.page_size) for n in layout.num_pages
+            F.init_state(n, max_seqs, self.max_blocks, layout.tokens_per_block) for n in layout.num_pages
         )
         """Device allocation state per layer group; replaced by every call that changes it."""
         self._rows: dict[str, _Row] = {}
@@ -76,8 +76,8 @@ class KVCacheManagerV2:
         self._stats = CacheStats()
 
     @property
-    def page_size(self) -> int:
-        return self.layout.page_size
+    def tokens_per_block(self) -> int:
+        return self.layout.tokens_per_block
 
     @property
     def max_seq_len(self) -> int:
@@ -114,7 +114,7 @@ class KVCacheManagerV2:
     def block_table(self, request_id: str, group: int) -> list[int]:
         seq = self._row(request_id)
         state = self.states[group]
-        n = -(-seq.num_allocated // self.page_size)
+        n = -(-seq.num_allocated // self.tokens_per_block)
         return np.asarray(state.block_tables[seq.row, :n]).tolist()
 
     def take_page_ops(self) -> list[PageOp]:
@@ -134,7 +134,7 @@ class KVCacheManagerV2:
         if not self.config.enable_block_reuse:
             return []
         items = hash_items(tuple(mm_items), len(prompt)) if mm_items else ()
-        return chain_keys(root_key(cache_salt, lora_id), pack_ids(prompt), self.page_size, items)
+        return chain_keys(root_key(cache_salt, lora_id), pack_ids(prompt), self.tokens_per_block, items)
 
     def estimate_reusable_tokens(
         self,
@@ -146,7 +146,7 @@ class KVCacheManagerV2:
     ) -> int:
         """Tokens ``add_request`` would reuse right now (no side effects)."""
         keys = self.prompt_block_keys(prompt_token_ids, cache_salt=cache_salt, lora_id=lora_id, mm_items=mm_items)
-        return self._match(keys, len(prompt_token_ids))[0] * self.page_size
+        return self._match(keys, len(prompt_token_ids))[0] * self.tokens_per_block
 
     def add_request(
         self,
@@ -179,9 +179,9 @@ class KVCacheManagerV2:
         self.states = tuple(
             F.acquire_prefix(s, row, jnp.asarray(p), num_matched) for s, p in zip(self.states, pages)
         )
-        reused = num_matched * self.page_size
+        reused = num_matched * self.tokens_per_block
         stats = RequestStats(
-            prompt_tokens=len(prompt), reused_tokens=reused, prompt_blocks=len(prompt) // self.page_size,
+            prompt_tokens=len(prompt), reused_tokens=reused, prompt_blocks=len(prompt) // self.tokens_per_block,
             reused_blocks=num_matched,
         )
         self._stats.add_request(stats)
@@ -223,10 +223,10 @@ class KVCacheManagerV2:
         seq.num_allocated = max(seq.num_allocated, len(seq.tokens))
         if not self.config.enable_block_reuse:
             return
-        full = len(seq.tokens) // self.page_size
+        full = len(seq.tokens) // self.tokens_per_block
         if full <= seq.num_committed_blocks:
             return
-        ps = self.page_size
+        ps = self.tokens_per_block
         if len(seq.keys) < full:
             parent = seq.keys[-1] if seq.keys else seq.root
             tail = pack_ids(seq.tokens[len(seq.keys) * ps : full * ps])
@@ -271,7 +271,7 @@ class KVCacheManagerV2:
 
     def _match(self, keys: list[BlockKey], prompt_len: int) -> tuple[int, list[np.ndarray]]:
         """(blocks matched in every group, each group's matched pages [max_blocks])."""
-        usable = min(len(keys), (prompt_len - 1) // self.page_size)
+        usable = min(len(keys), (prompt_len - 1) // self.tokens_per_block)
         empty = [np.full(self.max_blocks, -1, np.int32) for _ in self.states]
         if usable < 1:
             return 0, empty

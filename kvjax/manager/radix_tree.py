@@ -36,7 +36,7 @@ class Block:
       key, parent_key: tree identity (None while private).
       token_ids: the block's tokens (tree blocks only).
       items: multimodal items overlapping the block (tree blocks only).
-      index: position of the block in its sequence (tokens index*page_size onward); tree blocks only.
+      index: position of the block in its sequence (tokens index*tokens_per_block onward); tree blocks only.
       priority: 0..100 retention priority.
       expiry: clock time (seconds) at which the priority falls back to the default; None = never.
       last_used: release tick (LRU order); larger = more recent.

@@ -320,7 +320,7 @@ class Scheduler:
     def _admit(self, budget: int, slots: int, scheduled: list[ScheduledRequest], deferred: list[str]) -> int:
         cfg = self.config
         aware = cfg.enable_prefix_aware_scheduling
-        ps = self.manager.page_size
+        ps = self.manager.tokens_per_block
         pending = {
             key
             for r in self.running.values()

@@ -302,7 +302,7 @@ def check_consistency(mgr: KVCacheManager) -> None:
     def fail(message: str) -> None:
         raise ConsistencyError(message)
 
-    ps = mgr.page_size
+    ps = mgr.tokens_per_block
     for g, pool in enumerate(mgr.pools):
         holders: dict[int, int] = {}
         private: list[Block] = []

@@ -77,20 +77,20 @@ class StateSnapshotIndex:
 
     Args:
       config: the cache configuration (block_reuse_config, mamba_state_config).
-      page_size: tokens per page and block (the cache layout's ``page_size``).
+      tokens_per_block: tokens per page and block (the cache layout's ``tokens_per_block``).
       num_live: live slots, at least the most requests running at once.
     """
 
-    def __init__(self, config: KvCacheConfig, *, page_size: int, num_live: int) -> None:
+    def __init__(self, config: KvCacheConfig, *, tokens_per_block: int, num_live: int) -> None:
         if not isinstance(num_live, int) or num_live < 1:
             raise ValueError(f"num_live={num_live!r} must be an int >= 1 (requests running at once)")
         self.config = config
-        self.page_size = page_size
+        self.tokens_per_block = tokens_per_block
         self.policy = config.block_reuse_config.policy
         self.max_num_turns = config.block_reuse_config.max_num_turns
         mamba = config.mamba_state_config
         self.interval = mamba.periodic_snapshot_interval if self.policy == "all_reusable" else 0
-        ps = self.page_size
+        ps = self.tokens_per_block
         self.from_start: frozenset[int] = frozenset(o // ps * ps for o in mamba.additional_snapshot_offsets_from_start) - {0}
         self.from_end: tuple[int, ...] = tuple(sorted(set(mamba.additional_snapshot_offsets_from_end)))
         self.num_live = num_live
@@ -135,7 +135,7 @@ class StateSnapshotIndex:
     def is_boundary(self, num_tokens: int, prompt_len: int) -> bool:
         """Whether the state after ``num_tokens`` tokens of a sequence with a prompt of
         ``prompt_len`` tokens is snapshotted."""
-        ps = self.page_size
+        ps = self.tokens_per_block
         if num_tokens <= 0 or num_tokens % ps:
             return False
         if self.interval and num_tokens % self.interval == 0:
@@ -146,7 +146,7 @@ class StateSnapshotIndex:
 
     def boundaries_in(self, start: int, end: int, prompt_len: int) -> list[int]:
         """Snapshot boundaries p with start < p <= end, in order."""
-        ps = self.page_size
+        ps = self.tokens_per_block
         first = start // ps * ps + ps
         return [p for p in range(first, end + 1, ps) if self.is_boundary(p, prompt_len)]
 

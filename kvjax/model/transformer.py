@@ -159,7 +159,7 @@ def attend_layer(
 
     Args:
       layer: layer index (static: window, RoPE base).
-      pool_k, pool_v: [num_pages, page_size, K, d] of this layer.
+      pool_k, pool_v: [num_pages, tokens_per_block, K, d] of this layer.
       x: [S, T, D]; positions: [S, T] (negative = padding).
       block_table: [S, pages_per_seq] of the layer's group; lengths: [S] KV lengths after the write.
       mesh: the device mesh the pool is sharded over (attention then runs per device, see
@@ -169,7 +169,7 @@ def attend_layer(
       (x leaving the layer [S, T, D], pool_k, pool_v).
     """
     q, k, v = qkv(lp, cfg, layer, x, positions)
-    page_ids, offsets = slot_mapping(block_table, positions, layout.page_size)
+    page_ids, offsets = slot_mapping(block_table, positions, layout.tokens_per_block)
     pool_k = write_layer(pool_k, page_ids, offsets, k)
     pool_v = write_layer(pool_v, page_ids, offsets, v)
     options = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl, mesh=mesh)

@@ -26,12 +26,12 @@ def random_prompt(
     return BlendPrompt(prefix=draw(prefix_len), chunks=tuple(draw(n) for n in chunk_lens), suffix=draw(suffix_len))
 
 
-def tiny_engine(cfg: ModelConfig, params: Params, *, max_tokens: int = 8176, max_seq_len: int = 512, page_size: int = 16) -> Engine:
+def tiny_engine(cfg: ModelConfig, params: Params, *, max_tokens: int = 8176, max_seq_len: int = 512, tokens_per_block: int = 16) -> Engine:
     """An engine over a tiny model (float32 cache of ``max_tokens`` tokens, one-step prefills; the
     default gives 512 pages with the null page, divisible by any mesh's page axis up to 512)."""
     model = Model(config=cfg, params=params, tokenizer=None, path=pathlib.Path("tiny"))
     return Engine(
-        model, KvCacheConfig(tokens_per_block=page_size, max_tokens=max_tokens, event_buffer_max_size=10_000),
+        model, KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=max_tokens, event_buffer_max_size=10_000),
         SchedulerConfig(max_num_tokens=4096, prefill_chunk_size=4096), max_seq_len=max_seq_len,
     )
 

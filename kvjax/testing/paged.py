@@ -10,11 +10,11 @@ from kvjax.model.config import ModelConfig
 from kvjax.model.transformer import Params, forward
 
 
-def single_group_layout(cfg: ModelConfig, num_pages: int, page_size: int, windows: tuple[int, ...] | None = None) -> CacheLayout:
+def single_group_layout(cfg: ModelConfig, num_pages: int, tokens_per_block: int, windows: tuple[int, ...] | None = None) -> CacheLayout:
     windows = windows or cfg.layer_windows
     groups = len(dict.fromkeys(windows))
     return CacheLayout(
-        layer_windows=windows, num_pages=(num_pages,) * groups, page_size=page_size,
+        layer_windows=windows, num_pages=(num_pages,) * groups, tokens_per_block=tokens_per_block,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
     )
 
@@ -25,7 +25,7 @@ def chunked_logits(
     tokens: np.ndarray,
     chunks: list[int],
     *,
-    page_size: int = 16,
+    tokens_per_block: int = 16,
     seed: int = 0,
     attn_impl: str = "auto",
 ) -> tuple[np.ndarray, PagePool, np.ndarray]:
@@ -34,8 +34,8 @@ def chunked_logits(
     A chunk of size 1 is a decode step."""
     if sum(chunks) != len(tokens):
         raise ValueError(f"chunks sum to {sum(chunks)}, expected len(tokens)={len(tokens)}")
-    pages_per_seq = -(-len(tokens) // page_size)
-    layout = single_group_layout(cfg, pages_per_seq + 3, page_size)
+    pages_per_seq = -(-len(tokens) // tokens_per_block)
+    layout = single_group_layout(cfg, pages_per_seq + 3, tokens_per_block)
     rng = np.random.default_rng(seed)
     table = (rng.permutation(pages_per_seq + 2)[:pages_per_seq] + 1).astype(np.int32)[None]
     pool = init_pool(layout)

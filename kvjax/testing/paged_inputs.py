@@ -29,7 +29,7 @@ class PagedInputs:
     Attributes:
       q: [num_seqs, num_queries, num_heads, head_dim].
       q_positions: [num_seqs, num_queries] int32 (negative = padding row).
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim] with NaN poison.
+      k_pages, v_pages: [num_pages, tokens_per_block, num_kv_heads, head_dim] with NaN poison.
       clean_k_pages, clean_v_pages: the same with the poison replaced by zeros.
       lengths: [num_seqs] int32.
       page_indices: [num_seqs, pages_per_seq] int32.
@@ -51,7 +51,7 @@ def make_inputs(
     lengths: list[int],
     num_heads: int,
     num_kv_heads: int,
-    page_size: int,
+    tokens_per_block: int,
     pages_per_seq: int,
     head_dim: int = 16,
     dtype=jnp.float32,
@@ -63,8 +63,8 @@ def make_inputs(
 
     Args:
       seed: numpy seed.
-      lengths: valid slots per sequence (0 = padding sequence), each <= pages_per_seq * page_size.
-      num_heads, num_kv_heads, page_size, pages_per_seq, head_dim, dtype: geometry.
+      lengths: valid slots per sequence (0 = padding sequence), each <= pages_per_seq * tokens_per_block.
+      num_heads, num_kv_heads, tokens_per_block, pages_per_seq, head_dim, dtype: geometry.
       num_queries: query rows per sequence.
       chunked: positions are the last ``num_queries`` slots (chunked prefill); otherwise a
         random subset in random order with the newest token and some padding rows.
@@ -73,10 +73,10 @@ def make_inputs(
     rng = np.random.default_rng(seed)
     num_seqs = len(lengths)
     num_pages = 1 + num_seqs * pages_per_seq + SPARE_PAGES
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    shape = (num_pages, tokens_per_block, num_kv_heads, head_dim)
     k_pages = rng.standard_normal(shape).astype(np.float32)
     v_pages = rng.standard_normal(shape).astype(np.float32)
-    poison = np.ones(shape[:2], bool)  # [num_pages, page_size]
+    poison = np.ones(shape[:2], bool)  # [num_pages, tokens_per_block]
     owned = rng.permutation(np.arange(1, num_pages))[: num_seqs * pages_per_seq]
     table = owned.reshape(num_seqs, pages_per_seq).astype(np.int32)
     positions = np.full((num_seqs, num_queries), -1, np.int32)
@@ -93,7 +93,7 @@ def make_inputs(
         if sliding_window is not None and valid.size:
             first_needed = max(int(valid.min()) - sliding_window + 1, 0)
         for j in range(pages_per_seq):
-            slots = np.arange(j * page_size, (j + 1) * page_size)
+            slots = np.arange(j * tokens_per_block, (j + 1) * tokens_per_block)
             if slots[0] >= length or slots[-1] < first_needed:
                 table[s, j] = NULL_PAGE
             else:
@@ -128,8 +128,8 @@ class QuantizedInputs:
     wherever the float pages held NaN.
 
     Attributes:
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim] int8 or float8_e4m3fn.
-      k_scales, v_scales: [num_pages, page_size or 1, num_kv_heads] float32.
+      k_pages, v_pages: [num_pages, tokens_per_block, num_kv_heads, head_dim] int8 or float8_e4m3fn.
+      k_scales, v_scales: [num_pages, tokens_per_block or 1, num_kv_heads] float32.
       dequantized_k_pages, dequantized_v_pages: values * scales in float32, poison replaced
         by zeros (what the reference attends over).
     """

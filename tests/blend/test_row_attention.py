@@ -102,6 +102,6 @@ def test_fusor_dispatch_matches_reference(attn_impl):
     expected = reference(q, positions, k, v, length, sliding_window=9)
     actual = attend_rows(
         jnp.asarray(q), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), jnp.int32(length),
-        sm_scale=q.shape[-1] ** -0.5, sliding_window=9, page_size=PAGE, attn_impl=attn_impl,
+        sm_scale=q.shape[-1] ** -0.5, sliding_window=9, tokens_per_block=PAGE, attn_impl=attn_impl,
     )
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=2e-5, atol=2e-6)

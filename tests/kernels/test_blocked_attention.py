@@ -21,11 +21,11 @@ PAGES_PER_SEQ = 4
 BLOCKS = [(256, 256), (2, 8), (3, 4)]
 
 
-def run_case(*, seed: int, page_size: int, heads: tuple[int, int], block_q: int, block_k: int,
+def run_case(*, seed: int, tokens_per_block: int, heads: tuple[int, int], block_q: int, block_k: int,
              dtype=jnp.float32, num_queries: int = 6, chunked: bool = False, **options) -> None:
     inputs = make_inputs(
-        seed, lengths=[1, page_size, 2 * page_size + 1, PAGES_PER_SEQ * page_size, 0],
-        num_heads=heads[0], num_kv_heads=heads[1], page_size=page_size, pages_per_seq=PAGES_PER_SEQ,
+        seed, lengths=[1, tokens_per_block, 2 * tokens_per_block + 1, PAGES_PER_SEQ * tokens_per_block, 0],
+        num_heads=heads[0], num_kv_heads=heads[1], tokens_per_block=tokens_per_block, pages_per_seq=PAGES_PER_SEQ,
         dtype=dtype, num_queries=num_queries, chunked=chunked, sliding_window=options.get("sliding_window"),
     )
     sm_scale = inputs.q.shape[-1] ** -0.5
@@ -44,19 +44,19 @@ def run_case(*, seed: int, page_size: int, heads: tuple[int, int], block_q: int,
 
 @pytest.mark.parametrize(("block_q", "block_k"), BLOCKS)
 @pytest.mark.parametrize(
-    ("page_size", "heads", "dtype"),
+    ("tokens_per_block", "heads", "dtype"),
     [*itertools.product([4, 8], HEADS, [jnp.float32]), *itertools.product([8], HEADS, [jnp.bfloat16])],
     ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
 )
-def test_scattered_rows_match_reference(page_size, heads, dtype, block_q, block_k):
-    run_case(seed=page_size * 100 + heads[0] * 10 + heads[1], page_size=page_size, heads=heads, dtype=dtype,
+def test_scattered_rows_match_reference(tokens_per_block, heads, dtype, block_q, block_k):
+    run_case(seed=tokens_per_block * 100 + heads[0] * 10 + heads[1], tokens_per_block=tokens_per_block, heads=heads, dtype=dtype,
              block_q=block_q, block_k=block_k)
 
 
 @pytest.mark.parametrize(("block_q", "block_k"), BLOCKS)
 @pytest.mark.parametrize("num_queries", [1, 5, 16])
 def test_chunked_prefill(num_queries, block_q, block_k):
-    run_case(seed=num_queries, page_size=4, heads=(6, 3), num_queries=num_queries, chunked=True,
+    run_case(seed=num_queries, tokens_per_block=4, heads=(6, 3), num_queries=num_queries, chunked=True,
              block_q=block_q, block_k=block_k)
 
 
@@ -65,12 +65,12 @@ def test_chunked_prefill(num_queries, block_q, block_k):
     "options", [{"sliding_window": 1}, {"sliding_window": 3}, {"sliding_window": 6}, {"logit_soft_cap": 2.0}]
 )
 def test_windows_and_soft_cap(options, block_q, block_k):
-    run_case(seed=7, page_size=4, heads=(8, 1), num_queries=8, chunked=True, block_q=block_q, block_k=block_k, **options)
+    run_case(seed=7, tokens_per_block=4, heads=(8, 1), num_queries=8, chunked=True, block_q=block_q, block_k=block_k, **options)
 
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_wrapper_matches_paged_reference(window):
-    inputs = make_inputs(3, lengths=[5, 16, 1, 0, 9], num_heads=6, num_kv_heads=2, page_size=4, pages_per_seq=4,
+    inputs = make_inputs(3, lengths=[5, 16, 1, 0, 9], num_heads=6, num_kv_heads=2, tokens_per_block=4, pages_per_seq=4,
                          sliding_window=window)
     q = inputs.q[:, 0]
     expected = paged_attention_ref(q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
@@ -82,7 +82,7 @@ def test_decode_wrapper_matches_paged_reference(window):
 
 
 def test_rejects_bad_heads():
-    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=2, page_size=4, pages_per_seq=2)
+    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=2, tokens_per_block=4, pages_per_seq=2)
     with pytest.raises(ValueError, match="num_heads=3 must be a multiple of num_kv_heads=2"):
         blocked.paged_attention(inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths,
                                 inputs.page_indices, sm_scale=1.0)

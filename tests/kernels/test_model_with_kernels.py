@@ -23,7 +23,7 @@ def test_prefill_and_decode_match_reference(name):
     cfg, params = tiny_model(seed=3, **MODELS[name])
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 30)
     chunks = [21, 1, 1, 7]  # chunked prefill, two decode steps, one more chunk
-    expected, _, _ = chunked_logits(params, cfg, tokens, chunks, page_size=4, attn_impl="reference")
-    actual, _, _ = chunked_logits(params, cfg, tokens, chunks, page_size=4, attn_impl="interpret")
+    expected, _, _ = chunked_logits(params, cfg, tokens, chunks, tokens_per_block=4, attn_impl="reference")
+    actual, _, _ = chunked_logits(params, cfg, tokens, chunks, tokens_per_block=4, attn_impl="interpret")
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(actual.argmax(-1), expected.argmax(-1))

@@ -23,17 +23,17 @@ HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]
 PAGES_PER_SEQ = 4
 
 
-def lengths_for(page_size: int) -> list[int]:
+def lengths_for(tokens_per_block: int) -> list[int]:
     """One token, a full page, a page plus one, a full table, and a padding sequence."""
-    return [1, page_size, page_size + 1, PAGES_PER_SEQ * page_size, 0]
+    return [1, tokens_per_block, tokens_per_block + 1, PAGES_PER_SEQ * tokens_per_block, 0]
 
 
-def run_case(kernel: str, *, seed: int, page_size: int, heads: tuple[int, int], dtype, **options) -> None:
+def run_case(kernel: str, *, seed: int, tokens_per_block: int, heads: tuple[int, int], dtype, **options) -> None:
     num_heads, num_kv_heads = heads
     window = options.get("sliding_window")
     inputs = make_inputs(
-        seed, lengths=lengths_for(page_size), num_heads=num_heads, num_kv_heads=num_kv_heads,
-        page_size=page_size, pages_per_seq=PAGES_PER_SEQ, dtype=dtype, sliding_window=window,
+        seed, lengths=lengths_for(tokens_per_block), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        tokens_per_block=tokens_per_block, pages_per_seq=PAGES_PER_SEQ, dtype=dtype, sliding_window=window,
     )
     sm_scale = inputs.q.shape[-1] ** -0.5
     q = inputs.q[:, 0]
@@ -50,12 +50,12 @@ def run_case(kernel: str, *, seed: int, page_size: int, heads: tuple[int, int], 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize(
-    ("page_size", "heads", "dtype"),
+    ("tokens_per_block", "heads", "dtype"),
     [*itertools.product([4, 8], HEADS, [jnp.float32]), *itertools.product([8], HEADS, [jnp.bfloat16])],
     ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
 )
-def test_matches_reference(kernel, page_size, heads, dtype):
-    run_case(kernel, seed=page_size * 100 + heads[0] * 10 + heads[1], page_size=page_size, heads=heads, dtype=dtype)
+def test_matches_reference(kernel, tokens_per_block, heads, dtype):
+    run_case(kernel, seed=tokens_per_block * 100 + heads[0] * 10 + heads[1], tokens_per_block=tokens_per_block, heads=heads, dtype=dtype)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -71,23 +71,23 @@ def test_matches_reference(kernel, page_size, heads, dtype):
     ids=lambda options: "-".join(f"{key}={value}" for key, value in options.items()),
 )
 def test_window_and_soft_cap(kernel, options):
-    run_case(kernel, seed=7, page_size=4, heads=(6, 3), dtype=jnp.float32, **options)
+    run_case(kernel, seed=7, tokens_per_block=4, heads=(6, 3), dtype=jnp.float32, **options)
 
 
-@pytest.mark.parametrize(("kernel", "page_size", "blocking"), [
+@pytest.mark.parametrize(("kernel", "tokens_per_block", "blocking"), [
     ("tpu", 4, {"pages_per_block": 1}),
     ("tpu", 4, {"pages_per_block": 3}),
     ("gpu", 16, {"pages_per_block": 1, "k_splits": 4}),
     ("gpu", 8, {"pages_per_block": 2, "k_splits": 2}),
     ("gpu", 4, {"pages_per_block": 4, "k_splits": 1}),
 ])
-def test_block_sizes(kernel, page_size, blocking):
-    run_case(kernel, seed=11, page_size=page_size, heads=(8, 1), dtype=jnp.float32, sliding_window=6, **blocking)
+def test_block_sizes(kernel, tokens_per_block, blocking):
+    run_case(kernel, seed=11, tokens_per_block=tokens_per_block, heads=(8, 1), dtype=jnp.float32, sliding_window=6, **blocking)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_jits_inside_caller(kernel):
-    inputs = make_inputs(0, lengths=[5, 2], num_heads=4, num_kv_heads=2, page_size=4, pages_per_seq=2)
+    inputs = make_inputs(0, lengths=[5, 2], num_heads=4, num_kv_heads=2, tokens_per_block=4, pages_per_seq=2)
     q = inputs.q[:, 0]
 
     @jax.jit
@@ -101,7 +101,7 @@ def test_jits_inside_caller(kernel):
 
 
 def test_gpu_rejects_blocks_below_dot_size():
-    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, page_size=4, pages_per_seq=2)
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2)
     with pytest.raises(ValueError, match="pages_per_block=2 times page_size=4 must be >= 16"):
         gpu.paged_attention(
             inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
@@ -110,7 +110,7 @@ def test_gpu_rejects_blocks_below_dot_size():
 
 
 def test_gpu_rejects_non_power_of_two_pages():
-    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, page_size=3, pages_per_seq=2)
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=3, pages_per_seq=2)
     with pytest.raises(ValueError, match="page_size=3 must be a power of two"):
         gpu.paged_attention(
             inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
@@ -120,7 +120,7 @@ def test_gpu_rejects_non_power_of_two_pages():
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_rejects_bad_heads(kernel):
-    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=2, page_size=4, pages_per_seq=2)
+    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=2, tokens_per_block=4, pages_per_seq=2)
     with pytest.raises(ValueError, match="num_heads=3 must be a multiple of num_kv_heads=2"):
         KERNELS[kernel](
             inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices, sm_scale=1.0

@@ -26,7 +26,7 @@ def run_case(
     kernel: str,
     *,
     seed: int,
-    page_size: int,
+    tokens_per_block: int,
     heads: tuple[int, int],
     dtype=jnp.float32,
     num_queries: int = 6,
@@ -37,9 +37,9 @@ def run_case(
     num_heads, num_kv_heads = heads
     window = options.get("sliding_window")
     if lengths is None:
-        lengths = [1, page_size, 2 * page_size + 1, PAGES_PER_SEQ * page_size, 0]
+        lengths = [1, tokens_per_block, 2 * tokens_per_block + 1, PAGES_PER_SEQ * tokens_per_block, 0]
     inputs = make_inputs(
-        seed, lengths=lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+        seed, lengths=lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, tokens_per_block=tokens_per_block,
         pages_per_seq=PAGES_PER_SEQ, dtype=dtype, num_queries=num_queries, chunked=chunked,
         sliding_window=window,
     )
@@ -61,18 +61,18 @@ def run_case(
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize(
-    ("page_size", "heads", "dtype"),
+    ("tokens_per_block", "heads", "dtype"),
     [*itertools.product([4, 8], HEADS, [jnp.float32]), *itertools.product([8], HEADS, [jnp.bfloat16])],
     ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
 )
-def test_scattered_rows_match_reference(kernel, page_size, heads, dtype):
-    run_case(kernel, seed=page_size * 100 + heads[0] * 10 + heads[1], page_size=page_size, heads=heads, dtype=dtype)
+def test_scattered_rows_match_reference(kernel, tokens_per_block, heads, dtype):
+    run_case(kernel, seed=tokens_per_block * 100 + heads[0] * 10 + heads[1], tokens_per_block=tokens_per_block, heads=heads, dtype=dtype)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("num_queries", [1, 5, 16])
 def test_chunked_prefill(kernel, num_queries):
-    run_case(kernel, seed=num_queries, page_size=4, heads=(6, 3), num_queries=num_queries, chunked=True)
+    run_case(kernel, seed=num_queries, tokens_per_block=4, heads=(6, 3), num_queries=num_queries, chunked=True)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -88,7 +88,7 @@ def test_chunked_prefill(kernel, num_queries):
     ids=lambda options: "-".join(f"{key}={value}" for key, value in options.items()),
 )
 def test_window_and_soft_cap(kernel, options):
-    run_case(kernel, seed=5, page_size=4, heads=(8, 1), **options)
+    run_case(kernel, seed=5, tokens_per_block=4, heads=(8, 1), **options)
 
 
 @pytest.mark.parametrize(("kernel", "blocking"), [
@@ -98,11 +98,11 @@ def test_window_and_soft_cap(kernel, options):
     ("gpu", {"block_q": 8, "pages_per_block": 8}),
 ])
 def test_block_sizes(kernel, blocking):
-    run_case(kernel, seed=3, page_size=4, heads=(6, 3), num_queries=12, sliding_window=7, **blocking)
+    run_case(kernel, seed=3, tokens_per_block=4, heads=(6, 3), num_queries=12, sliding_window=7, **blocking)
 
 
 def test_tpu_rejects_unaligned_row_blocks():
-    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=1, page_size=4, pages_per_seq=2, num_queries=4)
+    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=4)
     with pytest.raises(ValueError, match="block_q=2 times group=3 must be a multiple of 8"):
         tpu.partial_attention(
             inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
@@ -112,7 +112,7 @@ def test_tpu_rejects_unaligned_row_blocks():
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_rejects_bad_positions_dtype(kernel):
-    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, page_size=4, pages_per_seq=2, num_queries=2)
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=2)
     with pytest.raises(ValueError, match="q_positions.dtype=float32 must be int32"):
         KERNELS[kernel](
             inputs.q, inputs.q_positions.astype(jnp.float32), inputs.k_pages, inputs.v_pages, inputs.lengths,
@@ -121,7 +121,7 @@ def test_rejects_bad_positions_dtype(kernel):
 
 
 def test_tpu_interpreter_raises_on_out_of_bounds_page():
-    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, page_size=4, pages_per_seq=2, num_queries=2)
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=2)
     bad_table = inputs.page_indices.at[0, 0].set(inputs.k_pages.shape[0])
     try:
         with pytest.raises(Exception, match="(?i)out.of.bounds"):

@@ -60,7 +60,7 @@ def test_constructor_validates_layout(tiny_layout):
         tiny_layout(disk=2)
     with pytest.raises(ValueError, match=r"layer_windows=\(\) must be a non-empty"):
         tiny_layout(windows=())
-    with pytest.raises(ValueError, match=r"layout.page_size=8 must equal config.tokens_per_block=4"):
+    with pytest.raises(ValueError, match=r"layout.tokens_per_block=8 must equal config.tokens_per_block=4"):
         KVCacheManager(config, tiny_layout(tokens_per_block=8))
     with pytest.raises(TypeError, match=r"layout must be a CacheLayout"):
         KVCacheManager(config, {"num_pages": (8,)})

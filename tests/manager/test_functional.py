@@ -41,7 +41,7 @@ def commit_all(state: F.PageState, row: int, keys: list[bytes]) -> F.PageState:
 def test_init_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="num_pages=1 must be an int >= 2"):
         F.init_state(1, 2, 2, 2)
-    with pytest.raises(ValueError, match="page_size=0"):
+    with pytest.raises(ValueError, match="tokens_per_block=0"):
         F.init_state(4, 2, 2, 0)
 
 

@@ -60,7 +60,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         capped = tuple(min(w, MAX_LEN) for w in windows)
         layout = CacheLayout(
-            layer_windows=capped, num_pages=(device_pages,) * len(dict.fromkeys(capped)), page_size=PS,
+            layer_windows=capped, num_pages=(device_pages,) * len(dict.fromkeys(capped)), tokens_per_block=PS,
             num_kv_heads=1, head_dim=1, max_seq_len=MAX_LEN, num_host_pages=host_pages, num_disk_pages=disk_pages,
         )
         self.mgr = KVCacheManager(config, layout, clock=self.clock)
