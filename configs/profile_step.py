@@ -10,8 +10,9 @@ with the compiled HLO of the same executable, so every op gets a label (a dot wi
 shapes, a gather, the cache scatter, ...), its CPU time per step, and for dots the reached
 GFLOP/s and weight-streaming GB/s, beside this machine's matmul rate and copy bandwidth.
 
-Rows: ``decode_b<S>`` (S sequences, one token each) and ``prefill_<T>`` (one sequence, T new
-tokens, no cached prefix). The trace files stay in the run folder (``trace/<row>``, readable
+Rows: ``decode_b<S>`` (S sequences, one token each), ``prefill_<T>`` (one sequence, T new
+tokens, no cached prefix) and ``extend_<T>_<C>`` (one sequence, T new tokens after C cached
+ones: bench_engine's shared-prefix row is ``extend_124_900``, its repeated prompt ``extend_1_1023``). The trace files stay in the run folder (``trace/<row>``, readable
 by Perfetto or TensorBoard), and each row's compiled HLO as hlo_<row>.txt.
 """
 
@@ -22,7 +23,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.experiment = "profile_step"  # module experiments.profile_step
     config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m
-    config.rows = ("decode_b1", "decode_b8", "prefill_512", "prefill_2048")
+    config.rows = ("decode_b1", "decode_b8", "prefill_512", "prefill_2048", "extend_124_900", "extend_1_1023")
     config.decode_context = 128  # cached tokens of each decoding sequence (bench_engine's decode rows)
     config.warmup = 2  # untimed calls per row after compilation
     config.traced_steps = 10  # calls traced per row; op times are per call

@@ -45,18 +45,22 @@ class StepArgs:
 
 def step_args(layout: CacheLayout, row: str, context: int, vocab_size: int, seed: int = 0) -> StepArgs:
     """Engine-shaped inputs of a ``decode_b<S>`` row (S sequences of ``context`` cached tokens
-    decoding one token each; rows padded to a power of two) or a ``prefill_<T>`` row (one
-    sequence, T tokens from position 0, padded like a prefill chunk). Sequences own disjoint
+    decoding one token each; rows padded to a power of two), a ``prefill_<T>`` row (one
+    sequence, T tokens from position 0, padded like a prefill chunk) or an ``extend_<T>_<C>``
+    row (one sequence, T new tokens after C cached ones: a prefix hit). Sequences own disjoint
     pages, allocated from page 1 upwards."""
-    kind, _, size = row.rpartition("_")
-    if kind == "decode" and size.startswith("b") and size[1:].isdigit():
-        seqs, new, start = int(size[1:]), 1, context
+    kind, *sizes = row.split("_")
+    if kind == "decode" and len(sizes) == 1 and sizes[0].startswith("b") and sizes[0][1:].isdigit():
+        seqs, new, start = int(sizes[0][1:]), 1, context
         rows, t = pow2_bucket(seqs), 1
-    elif kind == "prefill" and size.isdigit():
-        seqs, new, start = 1, int(size), 0
-        rows, t = 1, prefill_bucket(int(size))
+    elif kind == "prefill" and len(sizes) == 1 and sizes[0].isdigit():
+        seqs, new, start = 1, int(sizes[0]), 0
+        rows, t = 1, prefill_bucket(new)
+    elif kind == "extend" and len(sizes) == 2 and all(s.isdigit() for s in sizes):
+        seqs, new, start = 1, int(sizes[0]), int(sizes[1])
+        rows, t = 1, prefill_bucket(new)
     else:
-        raise ValueError(f"row={row!r} must be 'decode_b<batch>' or 'prefill_<tokens>'")
+        raise ValueError(f"row={row!r} must be 'decode_b<batch>', 'prefill_<tokens>' or 'extend_<tokens>_<cached>'")
     rng = np.random.default_rng(seed)
     tokens = np.zeros((rows, t), np.int32)
     positions = np.full((rows, t), -1, np.int32)

@@ -107,8 +107,11 @@ cache hit of 30% on a 1k-token prompt computes 768 tokens, not 1024 (a few more 
 
 
 def prefill_bucket(n: int) -> int:
-    """Padded length of a prefill chunk of ``n`` tokens: a power of two >= 16 up to
-    PREFILL_STEP, then a multiple of PREFILL_STEP."""
+    """Padded length of a prefill chunk of ``n`` tokens: 1 for one token (a prefix hit that
+    leaves only the last token to compute runs the decode step's shape and its paged decode
+    attention), else a power of two >= 16 up to PREFILL_STEP, then a multiple of PREFILL_STEP."""
+    if n == 1:
+        return 1
     return pow2_bucket(n, 16) if n <= PREFILL_STEP else -(-n // PREFILL_STEP) * PREFILL_STEP
 
 

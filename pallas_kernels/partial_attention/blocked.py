@@ -8,6 +8,9 @@ blocks between its lowest visible position (the sliding window) and its highest 
 position, so the attention work follows the causal triangle and the sequence's actual
 length, not the block table's width (only the one gather of each sequence's page run
 follows the width). No ``[q, k]`` score matrix wider than one key block is materialised.
+Key blocks that every valid row sees whole (below the lowest query position, inside the
+highest one's window: all but the diagonal blocks of a prefill) run without building a mask;
+a call with one key block (decode, whose block is the whole gathered run) runs no loop.
 
 On a 2-core CPU against the reference (SmolLM2 shapes, 9 query / 3 KV heads, page 32):
 2,048-token prefill 2.6x faster, 1,024-token 2.2x, batch-8 decode at 1k context 2.9x.
@@ -90,44 +93,66 @@ def partial_attention(
         """qb [s, rows, H, d], pos [s, rows] -> [s, rows, H, d] float32."""
         qg = rearrange(qb, "s q (h g) d -> s h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
         query_pos = jnp.tile(pos, (1, group))[:, :, None]  # [s, (g q), 1]
+        valid = pos >= 0
+        lowest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
         highest = jnp.minimum(jnp.max(pos), last_slot)
-        first = 0
-        if sliding_window is not None:
-            lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
-            first = jnp.clip(lowest - sliding_window + 1, 0, None) // slots_per_block
-        last = jnp.clip(highest // slots_per_block + 1, 0, num_key_blocks)
 
-        def key_block(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def attend(j: jax.Array, carry: tuple[jax.Array, ...], masked: bool) -> tuple[jax.Array, ...]:
+            """Online-softmax step over key block j; ``masked=False`` for a block every valid
+            row sees whole (no mask is built; padding rows are zeroed at the end)."""
             running_max, denom, acc = carry
             k, v = runs[0][j], runs[1][j]  # [s, h, k, d]
-            key_pos = j * slots_per_block + jnp.arange(slots_per_block, dtype=jnp.int32)  # [k]
-            visible = (key_pos[None, None, :] <= query_pos) & (key_pos[None, :] < lengths[:, None])[:, None, :]
-            if sliding_window is not None:
-                visible &= query_pos - key_pos[None, None, :] < sliding_window
-            # A slot no row sees may hold anything (past the length, or a page released out of
-            # the window: stale or NaN data): zero its V so that 0 * garbage cannot leak.
-            v = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
+            if masked:
+                key_pos = j * slots_per_block + jnp.arange(slots_per_block, dtype=jnp.int32)  # [k]
+                visible = (key_pos[None, None, :] <= query_pos) & (key_pos[None, :] < lengths[:, None])[:, None, :]
+                if sliding_window is not None:
+                    visible &= query_pos - key_pos[None, None, :] < sliding_window
+                # A slot no row sees may hold anything (past the length, or a page released out
+                # of the window: stale or NaN data): zero its V so that 0 * garbage cannot leak.
+                v = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
             logits = jnp.einsum("shrd,shkd->shrk", qg, k, preferred_element_type=jnp.float32)
             if logit_soft_cap is not None:
                 logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
-            visible = visible[:, None]  # [s, 1, (g q), k]
-            logits = jnp.where(visible, logits, MASK_VALUE)
+            if masked:
+                logits = jnp.where(visible[:, None], logits, MASK_VALUE)
             new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
-            probs = jnp.where(visible, jnp.exp(logits - new_max[..., None]), 0.0)
+            probs = jnp.exp(logits - new_max[..., None])
+            if masked:
+                probs = jnp.where(visible[:, None], probs, 0.0)
             rescale = jnp.exp(running_max - new_max)
             denom = denom * rescale + jnp.sum(probs, axis=-1)
             acc = acc * rescale[..., None] + jnp.einsum("shrk,shkd->shrd", probs, v, preferred_element_type=jnp.float32)
             return new_max, denom, acc
 
         shape = (num_seqs, num_kv_heads, group * rows)
-        init = (
+        carry = (
             jnp.full(shape, MASK_VALUE, jnp.float32),
             jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, head_dim), jnp.float32),
         )
-        _, denom, acc = jax.lax.fori_loop(first, last, key_block, init)
+        masked = functools.partial(attend, masked=True)
+        if num_key_blocks == 1:  # one block (decode, short prefill): no loop
+            carry = masked(0, carry)
+        else:
+            # Key blocks [first, last) hold every visible slot: causal up to the highest query
+            # position, and past the lowest one's window. Those in [full_start, full_end) lie
+            # below the lowest query position and inside the highest one's window: every valid
+            # row sees them whole, so they run without a mask.
+            first = jnp.int32(0)
+            last = jnp.clip(highest // slots_per_block + 1, 0, num_key_blocks)
+            full_end = jnp.clip((jnp.minimum(lowest, highest) + 1) // slots_per_block, 0, last)
+            full_start = jnp.int32(0)
+            if sliding_window is not None:
+                first = jnp.clip(lowest - sliding_window + 1, 0, None) // slots_per_block
+                full_start = jnp.clip(-(-(highest - sliding_window + 1) // slots_per_block), first, None)
+            full_end = jnp.maximum(full_end, full_start)
+            carry = jax.lax.fori_loop(first, jnp.minimum(full_start, last), masked, carry)
+            carry = jax.lax.fori_loop(full_start, full_end, functools.partial(attend, masked=False), carry)
+            carry = jax.lax.fori_loop(jnp.maximum(full_end, first), last, masked, carry)
+        _, denom, acc = carry
         out = acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
-        return rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
+        out = rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
+        return jnp.where(valid[:, :, None, None], out, 0.0)
 
     blocks = [
         query_block(q[:, i * rows : (i + 1) * rows], q_positions[:, i * rows : (i + 1) * rows])
@@ -167,6 +192,6 @@ def paged_attention(
     out = partial_attention(
         q[:, None], (lengths - 1)[:, None], k_pages, v_pages, lengths, page_indices,
         sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-        k_scales=k_scales, v_scales=v_scales,
+        block_k=page_indices.shape[1] * k_pages.shape[1], k_scales=k_scales, v_scales=v_scales,
     )
     return out[:, 0]

@@ -68,6 +68,23 @@ def test_windows_and_soft_cap(options, block_q, block_k):
     run_case(seed=7, tokens_per_block=4, heads=(8, 1), num_queries=8, chunked=True, block_q=block_q, block_k=block_k, **options)
 
 
+@pytest.mark.parametrize("block_q", [2, 3])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 12}, {"sliding_window": 8}, {"logit_soft_cap": 2.0}])
+def test_blocks_every_row_sees_whole_run_unmasked(options, block_q):
+    # Every sequence is deep into its context, so the key blocks below the lowest query
+    # position (and inside the highest one's window) take the path without a mask; a
+    # padding sequence and NaN in unused pages ride along.
+    inputs = make_inputs(11, lengths=[16, 15, 16, 0], num_heads=6, num_kv_heads=3, tokens_per_block=4,
+                         pages_per_seq=4, num_queries=3, chunked=True, sliding_window=options.get("sliding_window"))
+    sm_scale = inputs.q.shape[-1] ** -0.5
+    expected = partial_attention_ref(inputs.q, inputs.q_positions, inputs.clean_k_pages, inputs.clean_v_pages,
+                                     inputs.lengths, inputs.page_indices, sm_scale=sm_scale, **options)
+    actual = blocked.partial_attention(inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths,
+                                       inputs.page_indices, sm_scale=sm_scale, block_q=block_q, block_k=4, **options)
+    assert_close(actual, expected)
+    assert not np.asarray(actual)[3].any()  # the padding sequence
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_wrapper_matches_paged_reference(window):
     inputs = make_inputs(3, lengths=[5, 16, 1, 0, 9], num_heads=6, num_kv_heads=2, tokens_per_block=4, pages_per_seq=4,
