@@ -80,7 +80,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.runtime = ml_collections.ConfigDict()
     config.runtime.tokens_per_block = 32  # tokens per page of the sequence pool
     config.runtime.token_bucket = 512  # prompt lengths pad to a multiple of this (fewer compiled shapes)
-    config.runtime.attn_impl = "auto"  # attention: auto | reference | blocked | interpret
+    config.runtime.attn_impl = "auto"  # attention: auto (blocked on CPU) | reference | blocked | interpret
 
     config.controller = ml_collections.ConfigDict()
     config.controller.min_ratio = 0.15  # quality floor of the recompute ratio

@@ -1,11 +1,8 @@
-"""One entry point per attention op; picks the Pallas kernel or the XLA reference by backend.
+"""One entry point per attention op; picks the Pallas kernel or the blocked XLA implementation by backend.
 
 ``impl``:
-  "auto"       the TPU kernel on TPU, the GPU kernel on GPU, the XLA reference elsewhere
-               (CPU). The blocked implementation is faster on CPU but opt-in until a full
-               test run with it as the default has been verified (the suite's long-lived
-               process segfaulted inside jaxlib compiles after ~400 tests, with either
-               implementation as the default).
+  "auto"       the TPU kernel on TPU, the GPU kernel on GPU, the blocked XLA implementation
+               elsewhere (CPU).
   "blocked"    the blocked, flash-style XLA implementation
                (``pallas_kernels/partial_attention/blocked.py``): online softmax over key
                blocks, work proportional to the sequence's length.
@@ -82,7 +79,7 @@ def _choose(impl: str, interpret_kernel: str) -> tuple[str, bool | pltpu.Interpr
         return "tpu", False
     if backend in GPU_PLATFORMS:
         return "gpu", False
-    return "reference", False
+    return "blocked", False
 
 
 def _unpack(k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,

@@ -222,7 +222,8 @@ class Engine:
       kv_cache_config: cache sizing, reuse, offload, windows, events.
       scheduler_config: token budget, batch size, chunking, prefix-aware scheduling.
       max_seq_len: longest prompt + generation; default the model's context length.
-      attn_impl: "auto" | "reference" | "interpret" (see ``kvjax.attention``).
+      attn_impl: "auto" | "blocked" | "reference" | "interpret" (see ``kvjax.attention``; "auto" is
+        the blocked XLA implementation on CPU).
       max_finished_requests: finished requests whose outputs stay readable by id; older ones
         are forgotten (``generate``/``run``/``stream`` return their own outputs regardless).
         A finished request's id may be reused.

@@ -1,4 +1,4 @@
-"""``kvjax.attention`` picks the reference on CPU and runs either kernel when asked to interpret."""
+"""``kvjax.attention`` picks the blocked XLA implementation on CPU and runs either kernel when asked to interpret."""
 
 from __future__ import annotations
 
@@ -16,10 +16,15 @@ def inputs():
     return make_inputs(1, lengths=[9, 1, 4], num_heads=4, num_kv_heads=2, tokens_per_block=4, pages_per_seq=3, num_queries=3)
 
 
-def test_auto_is_reference_on_cpu(inputs):
+def test_auto_is_blocked_on_cpu(inputs):
     assert jax.default_backend() == "cpu"
     args = (inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices)
-    jaxpr = str(jax.make_jaxpr(lambda *a: attention.partial_attention(*a, sm_scale=0.5))(*args))
+
+    def jaxpr_of(**impl: str) -> str:
+        return str(jax.make_jaxpr(lambda *a: attention.partial_attention(*a, sm_scale=0.5, **impl))(*args))
+
+    jaxpr = jaxpr_of()
+    assert jaxpr == jaxpr_of(impl="blocked") != jaxpr_of(impl="reference")
     assert "pallas_call" not in jaxpr
     jaxpr = str(jax.make_jaxpr(lambda *a: attention.partial_attention(*a, sm_scale=0.5, impl="interpret"))(*args))
     assert "pallas_call" in jaxpr
