@@ -142,11 +142,11 @@ def partial_attention(
             last = jnp.clip(highest // slots_per_block + 1, 0, num_key_blocks)
             full_end = jnp.clip((jnp.minimum(lowest, highest) + 1) // slots_per_block, 0, last)
             full_start = jnp.int32(0)
-            if sliding_window is not None:
+            if sliding_window is not None:  # without a window, nothing lies before the unmasked blocks
                 first = jnp.clip(lowest - sliding_window + 1, 0, None) // slots_per_block
                 full_start = jnp.clip(-(-(highest - sliding_window + 1) // slots_per_block), first, None)
+                carry = jax.lax.fori_loop(first, jnp.minimum(full_start, last), masked, carry)
             full_end = jnp.maximum(full_end, full_start)
-            carry = jax.lax.fori_loop(first, jnp.minimum(full_start, last), masked, carry)
             carry = jax.lax.fori_loop(full_start, full_end, functools.partial(attend, masked=False), carry)
             carry = jax.lax.fori_loop(jnp.maximum(full_end, first), last, masked, carry)
         _, denom, acc = carry
