@@ -19,6 +19,7 @@ On a 2-core CPU against the reference (SmolLM2 shapes, 9 query / 3 KV heads, pag
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -97,58 +98,21 @@ def partial_attention(
         lowest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
         highest = jnp.minimum(jnp.max(pos), last_slot)
 
-        def attend(j: jax.Array, carry: tuple[jax.Array, ...], masked: bool) -> tuple[jax.Array, ...]:
-            """Online-softmax step over key block j; ``masked=False`` for a block every valid
-            row sees whole (no mask is built; padding rows are zeroed at the end)."""
-            running_max, denom, acc = carry
-            k, v = runs[0][j], runs[1][j]  # [s, h, k, d]
+        def attend(j: jax.Array, carry: Carry, masked: bool) -> Carry:
+            visible = None
             if masked:
                 key_pos = j * slots_per_block + jnp.arange(slots_per_block, dtype=jnp.int32)  # [k]
                 visible = (key_pos[None, None, :] <= query_pos) & (key_pos[None, :] < lengths[:, None])[:, None, :]
                 if sliding_window is not None:
                     visible &= query_pos - key_pos[None, None, :] < sliding_window
-                # A slot no row sees may hold anything (past the length, or a page released out
-                # of the window: stale or NaN data): zero its V so that 0 * garbage cannot leak.
-                v = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], v, jnp.zeros((), v.dtype))
-            logits = jnp.einsum("shrd,shkd->shrk", qg, k, preferred_element_type=jnp.float32)
-            if logit_soft_cap is not None:
-                logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
-            if masked:
-                logits = jnp.where(visible[:, None], logits, MASK_VALUE)
-            new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
-            probs = jnp.exp(logits - new_max[..., None])
-            if masked:
-                probs = jnp.where(visible[:, None], probs, 0.0)
-            rescale = jnp.exp(running_max - new_max)
-            denom = denom * rescale + jnp.sum(probs, axis=-1)
-            acc = acc * rescale[..., None] + jnp.einsum("shrk,shkd->shrd", probs, v, preferred_element_type=jnp.float32)
-            return new_max, denom, acc
+                visible = visible[:, None]  # [s, 1, (g q), k]
+            return key_block_step(carry, qg, runs[0][j], runs[1][j], visible, logit_soft_cap=logit_soft_cap)
 
         shape = (num_seqs, num_kv_heads, group * rows)
-        carry = (
-            jnp.full(shape, MASK_VALUE, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32),
+        carry = over_key_blocks(
+            attend, initial_carry(shape, head_dim), num_key_blocks=num_key_blocks, block=slots_per_block,
+            lowest=lowest, highest=highest, sliding_window=sliding_window,
         )
-        masked = functools.partial(attend, masked=True)
-        if num_key_blocks == 1:  # one block (decode, short prefill): no loop
-            carry = masked(0, carry)
-        else:
-            # Key blocks [first, last) hold every visible slot: causal up to the highest query
-            # position, and past the lowest one's window. Those in [full_start, full_end) lie
-            # below the lowest query position and inside the highest one's window: every valid
-            # row sees them whole, so they run without a mask.
-            first = jnp.int32(0)
-            last = jnp.clip(highest // slots_per_block + 1, 0, num_key_blocks)
-            full_end = jnp.clip((jnp.minimum(lowest, highest) + 1) // slots_per_block, 0, last)
-            full_start = jnp.int32(0)
-            if sliding_window is not None:  # without a window, nothing lies before the unmasked blocks
-                first = jnp.clip(lowest - sliding_window + 1, 0, None) // slots_per_block
-                full_start = jnp.clip(-(-(highest - sliding_window + 1) // slots_per_block), first, None)
-                carry = jax.lax.fori_loop(first, jnp.minimum(full_start, last), masked, carry)
-            full_end = jnp.maximum(full_end, full_start)
-            carry = jax.lax.fori_loop(full_start, full_end, functools.partial(attend, masked=False), carry)
-            carry = jax.lax.fori_loop(jnp.maximum(full_end, first), last, masked, carry)
         _, denom, acc = carry
         out = acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
         out = rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
@@ -159,6 +123,92 @@ def partial_attention(
         for i in range(num_query_blocks)
     ]
     return jnp.concatenate(blocks, axis=1)[:, :num_queries].astype(q.dtype)
+
+
+Carry = tuple[jax.Array, jax.Array, jax.Array]
+"""Online-softmax state of query rows: running max [..., r], denominator [..., r] and
+numerator [..., r, d], all float32."""
+
+
+def initial_carry(shape: tuple[int, ...], head_dim: int) -> Carry:
+    """The state before any key: max MASK_VALUE, denominator and numerator zero."""
+    return (
+        jnp.full(shape, MASK_VALUE, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
+    )
+
+
+def key_block_step(
+    carry: Carry, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None, *,
+    logit_soft_cap: float | None,
+) -> Carry:
+    """One online-softmax step of query rows over one block of keys.
+
+    Args:
+      carry: the rows' state (see ``Carry``).
+      qg: [..., r, d] float32 queries, already scaled by ``sm_scale``.
+      k, v: [..., k, d] the block's keys and values.
+      visible: None when every row sees every key of the block (no mask is built; padding
+        rows then accumulate garbage the caller zeroes), else a bool mask broadcastable to
+        [..., r, k]. Values of slots no row sees are zeroed first: they may hold anything (past
+        the length, or a page released out of the window: stale or NaN data), and 0 * NaN
+        must not leak.
+
+    Returns:
+      The updated state.
+    """
+    running_max, denom, acc = carry
+    if visible is not None:
+        v = jnp.where(jnp.any(visible, axis=-2)[..., None], v, jnp.zeros((), v.dtype))
+    logits = jnp.einsum("...rd,...kd->...rk", qg, k, preferred_element_type=jnp.float32)
+    if logit_soft_cap is not None:
+        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+    if visible is not None:
+        logits = jnp.where(visible, logits, MASK_VALUE)
+    new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+    probs = jnp.exp(logits - new_max[..., None])
+    if visible is not None:
+        probs = jnp.where(visible, probs, 0.0)
+    rescale = jnp.exp(running_max - new_max)
+    denom = denom * rescale + jnp.sum(probs, axis=-1)
+    acc = acc * rescale[..., None] + jnp.einsum("...rk,...kd->...rd", probs, v, preferred_element_type=jnp.float32)
+    return new_max, denom, acc
+
+
+def over_key_blocks(
+    attend: Callable[[jax.Array, Carry, bool], Carry], carry: Carry, *, num_key_blocks: int, block: int,
+    lowest: jax.Array, highest: jax.Array, sliding_window: int | None,
+) -> Carry:
+    """Runs ``attend(j, carry, masked)`` over the key blocks that hold a visible slot.
+
+    Blocks [first, last) hold every visible slot: causal up to the highest query position and
+    past the lowest one's window. Those below the lowest query position and inside the highest
+    one's window are seen whole by every valid row and run with ``masked=False``; the others
+    with ``masked=True``. One key block in all runs once, masked, without a loop.
+
+    Args:
+      attend: one key block's step (``j`` is traced inside the loops).
+      num_key_blocks: key blocks in the run; block: key slots per block.
+      lowest: [] int32 lowest valid query position (int32 max when no row is valid).
+      highest: [] int32 highest valid query position, capped at the last valid slot (< 0 when
+        no row is valid).
+      sliding_window: as in ``partial_attention``.
+    """
+    masked = functools.partial(attend, masked=True)
+    if num_key_blocks == 1:
+        return masked(0, carry)
+    first = jnp.int32(0)
+    last = jnp.clip(highest // block + 1, 0, num_key_blocks)
+    full_end = jnp.clip((jnp.minimum(lowest, highest) + 1) // block, 0, last)
+    full_start = jnp.int32(0)
+    if sliding_window is not None:  # without a window, nothing lies before the unmasked blocks
+        first = jnp.clip(lowest - sliding_window + 1, 0, None) // block
+        full_start = jnp.clip(-(-(highest - sliding_window + 1) // block), first, None)
+        carry = jax.lax.fori_loop(first, jnp.minimum(full_start, last), masked, carry)
+    full_end = jnp.maximum(full_end, full_start)
+    carry = jax.lax.fori_loop(full_start, full_end, functools.partial(attend, masked=False), carry)
+    return jax.lax.fori_loop(jnp.maximum(full_end, first), last, masked, carry)
 
 
 def _gather(pages: jax.Array, scales: jax.Array | None, page_indices: jax.Array) -> jax.Array:

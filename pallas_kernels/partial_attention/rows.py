@@ -10,7 +10,8 @@ implementation computes the same thing without the page view:
 - a block visits only the key blocks between its lowest visible position (the sliding
   window) and its highest query position (a dynamic trip count), so rows sorted by
   position attend over a causal staircase: for rows spread evenly over the sequence about
-  half the keys, instead of all of them;
+  half the keys, instead of all of them; key blocks below a query block's lowest position
+  skip the mask (the online-softmax step and the block ranges are ``blocked``'s);
 - no ``[rows, keys]`` score matrix wider than one key block is materialised.
 
 Masking is exact by position, as in the reference::
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.partial_attention.blocked import Carry, initial_carry, key_block_step, over_key_blocks
 
 BLOCK_Q = 64
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
@@ -101,42 +102,25 @@ def row_attention(
         """qb [rows, H, d], pos [rows] -> [rows, H, d] float32."""
         qg = rearrange(qb, "q (h g) d -> h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
         query_pos = jnp.tile(pos, group)[:, None]  # [(g q), 1]
+        valid = pos >= 0
+        lowest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
         highest = jnp.minimum(jnp.max(pos), length - 1)
-        first = 0
-        if sliding_window is not None:
-            lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
-            first = jnp.clip(lowest - sliding_window + 1, 0, None) // block_k
-        last = jnp.clip(highest // block_k + 1, 0, num_key_blocks)
 
-        def key_block(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-            running_max, denom, acc = carry
-            kb, vb = k_blocks[j], v_blocks[j]  # [h, k, d]
-            key_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [k]
-            visible = (key_pos[None, :] <= query_pos) & (key_pos[None, :] < length)  # [(g q), k]
-            if sliding_window is not None:
-                visible &= query_pos - key_pos[None, :] < sliding_window
-            # A slot no row sees may hold anything (past the length: stale or NaN data): zero
-            # its V so that 0 * garbage cannot leak.
-            vb = jnp.where(jnp.any(visible, axis=0)[None, :, None], vb, jnp.zeros((), vb.dtype))
-            logits = jnp.einsum("hrd,hkd->hrk", qg, kb, preferred_element_type=jnp.float32)
-            if logit_soft_cap is not None:
-                logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
-            logits = jnp.where(visible[None], logits, MASK_VALUE)
-            new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
-            probs = jnp.where(visible[None], jnp.exp(logits - new_max[..., None]), 0.0)
-            rescale = jnp.exp(running_max - new_max)
-            denom = denom * rescale + jnp.sum(probs, axis=-1)
-            acc = acc * rescale[..., None] + jnp.einsum("hrk,hkd->hrd", probs, vb, preferred_element_type=jnp.float32)
-            return new_max, denom, acc
+        def attend(j: jax.Array, carry: Carry, masked: bool) -> Carry:
+            visible = None
+            if masked:
+                key_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [k]
+                visible = (key_pos[None, :] <= query_pos) & (key_pos[None, :] < length)  # [(g q), k]
+                if sliding_window is not None:
+                    visible &= query_pos - key_pos[None, :] < sliding_window
+            return key_block_step(carry, qg, k_blocks[j], v_blocks[j], visible, logit_soft_cap=logit_soft_cap)
 
-        shape = (num_kv_heads, group * rows)
-        init = (
-            jnp.full(shape, MASK_VALUE, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32),
+        _, denom, acc = over_key_blocks(
+            attend, initial_carry((num_kv_heads, group * rows), head_dim), num_key_blocks=num_key_blocks,
+            block=block_k, lowest=lowest, highest=highest, sliding_window=sliding_window,
         )
-        _, denom, acc = jax.lax.fori_loop(first, last, key_block, init)
         out = acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
+        out = jnp.where(jnp.tile(valid, group)[None, :, None], out, 0.0)
         return rearrange(out, "h (g q) d -> q (h g) d", g=group)
 
     q_blocks = rearrange(q, "(n q) hg d -> n q hg d", q=rows)
