@@ -50,6 +50,19 @@ def test_prefix_reuse_gives_cold_logits(smollm2, prompts):
     assert rel_err(np.stack(warm.logits), np.stack(fresh.logits)) < 1e-5
 
 
+def test_whole_prompt_hit_computes_one_token_in_the_decode_shape(smollm2, reference_text):
+    # A repeated block-aligned prompt reuses all but its last token, which runs as a one-row,
+    # one-token step (the decode step's shape and paged decode attention), past 512 positions.
+    prompt = smollm2.tokenizer.encode(reference_text)[:512]
+    assert len(prompt) == 512
+    engine = make_engine(smollm2, max_seq_len=600)
+    [cold] = engine.generate([prompt], GREEDY)
+    [warm] = engine.generate([prompt], GREEDY)
+    assert warm.num_reused_tokens == 511
+    assert warm.output == cold.output
+    assert rel_err(np.stack(warm.logits), np.stack(cold.logits)) < 1e-5
+
+
 def test_offload_and_onboard_keep_logits(smollm2, prompts):
     # 20 device pages of 16 tokens: the second and third prompts evict the first one's
     # blocks, which go to the host tier and come back when the first prompt repeats.

@@ -94,8 +94,7 @@ def partial_attention(
         """qb [s, rows, H, d], pos [s, rows] -> [s, rows, H, d] float32."""
         qg = rearrange(qb, "s q (h g) d -> s h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
         query_pos = jnp.tile(pos, (1, group))[:, :, None]  # [s, (g q), 1]
-        valid = pos >= 0
-        lowest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
+        lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
         highest = jnp.minimum(jnp.max(pos), last_slot)
 
         def attend(j: jax.Array, carry: Carry, masked: bool) -> Carry:
@@ -113,10 +112,8 @@ def partial_attention(
             attend, initial_carry(shape, head_dim), num_key_blocks=num_key_blocks, block=slots_per_block,
             lowest=lowest, highest=highest, sliding_window=sliding_window,
         )
-        _, denom, acc = carry
-        out = acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
-        out = rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
-        return jnp.where(valid[:, :, None, None], out, 0.0)
+        out = normalized(carry, query_pos[:, None, :, 0] >= 0)
+        return rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
 
     blocks = [
         query_block(q[:, i * rows : (i + 1) * rows], q_positions[:, i * rows : (i + 1) * rows])
@@ -174,6 +171,20 @@ def key_block_step(
     denom = denom * rescale + jnp.sum(probs, axis=-1)
     acc = acc * rescale[..., None] + jnp.einsum("...rk,...kd->...rd", probs, v, preferred_element_type=jnp.float32)
     return new_max, denom, acc
+
+
+def normalized(carry: Carry, valid: jax.Array) -> jax.Array:
+    """The attention output of the rows: numerator / denominator, zero for padding rows.
+
+    Args:
+      valid: bool broadcastable to the rows [..., r]; False = padding row (which may have
+        accumulated garbage over unmasked blocks).
+
+    Returns:
+      [..., r, d] float32.
+    """
+    _, denom, acc = carry
+    return jnp.where(valid[..., None], acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None], 0.0)
 
 
 def over_key_blocks(

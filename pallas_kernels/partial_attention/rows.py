@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.partial_attention.blocked import Carry, initial_carry, key_block_step, over_key_blocks
+from pallas_kernels.partial_attention.blocked import Carry, initial_carry, key_block_step, normalized, over_key_blocks
 
 BLOCK_Q = 64
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
@@ -102,8 +102,7 @@ def row_attention(
         """qb [rows, H, d], pos [rows] -> [rows, H, d] float32."""
         qg = rearrange(qb, "q (h g) d -> h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
         query_pos = jnp.tile(pos, group)[:, None]  # [(g q), 1]
-        valid = pos >= 0
-        lowest = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
+        lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
         highest = jnp.minimum(jnp.max(pos), length - 1)
 
         def attend(j: jax.Array, carry: Carry, masked: bool) -> Carry:
@@ -115,13 +114,11 @@ def row_attention(
                     visible &= query_pos - key_pos[None, :] < sliding_window
             return key_block_step(carry, qg, k_blocks[j], v_blocks[j], visible, logit_soft_cap=logit_soft_cap)
 
-        _, denom, acc = over_key_blocks(
+        carry = over_key_blocks(
             attend, initial_carry((num_kv_heads, group * rows), head_dim), num_key_blocks=num_key_blocks,
             block=block_k, lowest=lowest, highest=highest, sliding_window=sliding_window,
         )
-        out = acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
-        out = jnp.where(jnp.tile(valid, group)[None, :, None], out, 0.0)
-        return rearrange(out, "h (g q) d -> q (h g) d", g=group)
+        return rearrange(normalized(carry, query_pos[:, 0] >= 0), "h (g q) d -> q (h g) d", g=group)
 
     q_blocks = rearrange(q, "(n q) hg d -> n q hg d", q=rows)
     out = jax.lax.map(lambda args: query_block(*args), (q_blocks, q_positions.reshape(num_query_blocks, rows)))
