@@ -4,14 +4,17 @@ prefill / chunked prefill / decode equal to an unpaged run, on real weights and 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax.config import KvCacheConfig
+from kvjax.cache import init_pool
 from kvjax.engine import Engine
+from kvjax.model.transformer import CONV_MAX_ROWS, forward, linear, unembed
 from kvjax.sampling import SamplingParams
 from kvjax.testing.numpy_forward import numpy_logits
-from kvjax.testing.paged import chunked_logits
+from kvjax.testing.paged import chunked_logits, single_group_layout
 from kvjax.testing.tiny import tiny_model
 
 
@@ -67,6 +70,43 @@ def test_engine_greedy_continuation_matches_hf(smollm2, hf_reference):
     prompt = hf_reference["token_ids"][:64].tolist()
     [out] = engine.generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))
     np.testing.assert_array_equal(out.output, hf_reference["greedy_from_64"][:16])
+
+
+@pytest.mark.parametrize("seqs,tokens", [(1, 1), (8, 1), (4, 8), (1, CONV_MAX_ROWS), (1, CONV_MAX_ROWS + 1), (3, 16)])
+def test_few_row_products_run_as_convolutions_and_equal_the_dot(seqs, tokens):
+    """``linear`` and ``unembed`` give the dot's values; on CPU they lower to a convolution
+    exactly when the product has at most CONV_MAX_ROWS rows."""
+    rng = np.random.default_rng(seqs * 100 + tokens)
+    x = jnp.asarray(rng.standard_normal((seqs, tokens, 96), np.float32))
+    w = jnp.asarray(rng.standard_normal((96, 160), np.float32))
+    embed = jnp.asarray(rng.standard_normal((320, 96), np.float32))
+    np.testing.assert_allclose(linear(x, w), np.asarray(x) @ np.asarray(w), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(unembed(x, embed), np.asarray(x) @ np.asarray(embed).T, rtol=2e-5, atol=2e-5)
+    assert linear(x, w).shape == (seqs, tokens, 160) and unembed(x, embed).shape == (seqs, tokens, 320)
+    as_convolution = seqs * tokens <= CONV_MAX_ROWS and jax.default_backend() == "cpu"
+    for fn, weight in ((linear, w), (unembed, embed)):
+        hlo = jax.jit(fn).lower(x, weight).as_text()
+        assert ("convolution" in hlo) == as_convolution, (fn.__name__, seqs * tokens)
+
+
+def test_batch8_decode_step_equals_prefill_on_513_tokens(smollm2, hf_reference):
+    """A batch-8 decode step (few rows: the convolution form on CPU) gives the logits that
+    one 513-token prefill (the plain dot) gives at its last position, for 8 different
+    sequences of the real text."""
+    cfg = smollm2.config
+    seqs = np.stack([hf_reference["token_ids"][i * 3 : i * 3 + 513] for i in range(8)]).astype(np.int32)
+    layout = single_group_layout(cfg, 8 * 33 + 1, 16)
+    tables = (jnp.asarray(1 + np.arange(8 * 33, dtype=np.int32).reshape(8, 33)),) * layout.num_groups
+    positions = jnp.broadcast_to(jnp.arange(513, dtype=jnp.int32), (8, 513))
+    lengths = jnp.full((8,), 513, jnp.int32)
+    whole, _ = forward(smollm2.params, init_pool(layout), jnp.asarray(seqs), positions, tables, lengths, cfg=cfg, layout=layout)
+    _, pool = forward(
+        smollm2.params, init_pool(layout), jnp.asarray(seqs[:, :512]), positions[:, :512], tables, lengths - 1,
+        cfg=cfg, layout=layout, logits_mode="none",
+    )
+    step, _ = forward(smollm2.params, pool, jnp.asarray(seqs[:, 512:]), positions[:, 512:], tables, lengths, cfg=cfg, layout=layout)
+    assert rel_err(np.asarray(step), np.asarray(whole)) < 1e-4
+    np.testing.assert_array_equal(np.asarray(step).argmax(-1), np.asarray(whole).argmax(-1))
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1)])

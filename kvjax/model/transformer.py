@@ -76,6 +76,41 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (normed * weight).astype(x.dtype)
 
 
+CONV_MAX_ROWS = 32
+"""Products of at most this many rows run on CPU as width-1 convolutions (``linear``, ``unembed``)."""
+
+
+def _as_convolution(x: jax.Array) -> bool:
+    """Whether the rows of ``x`` [..., K] are few enough, on CPU, for the convolution form.
+
+    XLA:CPU's dot is slow at few rows; the same product written as a width-1 convolution is
+    rewritten by XLA into a dot of another operand order that streams the weight faster
+    (measured on 2-core AVX2, 30 SmolLM2 layers' projections: 8 rows 38 vs 50 ms, and the
+    batch-8 decode step 75 vs 89 ms). From ~64 rows on the plain dot is as fast or faster.
+    """
+    return x.size // x.shape[-1] <= CONV_MAX_ROWS and jax.default_backend() == "cpu"
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w``: activations [..., K] times a weight [K, N] -> [..., N] in x's dtype."""
+    if not _as_convolution(x):
+        return x @ w
+    rows = x.reshape(1, -1, x.shape[-1])  # [1, rows, K]: the rows as the convolution's width
+    out = jax.lax.conv_general_dilated(rows, w[None], (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"))
+    return out.reshape(*x.shape[:-1], w.shape[-1])
+
+
+def unembed(h: jax.Array, embed: jax.Array) -> jax.Array:
+    """The tied output projection: ``h`` [..., D] times ``embed`` [V, D] transposed -> [..., V] float32."""
+    if not _as_convolution(h):
+        return jnp.einsum("...d,vd->...v", h, embed, preferred_element_type=jnp.float32)
+    kernel = h.reshape(-1, h.shape[-1]).T[None]  # [1, D, rows]: the rows as output channels
+    out = jax.lax.conv_general_dilated(
+        embed[None], kernel, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"), preferred_element_type=jnp.float32
+    )  # [1, V, rows]
+    return out[0].T.reshape(*h.shape[:-1], embed.shape[0])
+
+
 def embed_tokens(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """[S, T] int32 -> [S, T, D]."""
     x = params.embed[tokens]
@@ -99,9 +134,9 @@ def qkv(
       q [S, T, H, d], k [S, T, K, d], v [S, T, K, d].
     """
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
-    q = (h @ lp.wq).reshape(*h.shape[:2], cfg.num_heads, cfg.head_dim)
-    k = (h @ lp.wk).reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
-    v = (h @ lp.wv).reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
+    q = linear(h, lp.wq).reshape(*h.shape[:2], cfg.num_heads, cfg.head_dim)
+    k = linear(h, lp.wk).reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, lp.wv).reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_eps)
@@ -119,14 +154,14 @@ def finish_layer(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Arra
     Returns:
       [S, T, D] residual stream leaving the layer.
     """
-    o = attn.reshape(*attn.shape[:2], cfg.num_heads * cfg.head_dim) @ lp.wo
+    o = linear(attn.reshape(*attn.shape[:2], cfg.num_heads * cfg.head_dim), lp.wo)
     if cfg.sandwich_norm:
         o = rms_norm(o, lp.post_attn_norm, cfg.rms_eps)
     x = x + o
     h = rms_norm(x, lp.ffn_norm, cfg.rms_eps)
-    gate = h @ lp.w_gate
+    gate = linear(h, lp.w_gate)
     act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    m = (act * (h @ lp.w_up)) @ lp.w_down
+    m = linear(act * linear(h, lp.w_up), lp.w_down)
     if cfg.sandwich_norm:
         m = rms_norm(m, lp.post_ffn_norm, cfg.rms_eps)
     return x + m
@@ -135,7 +170,7 @@ def finish_layer(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Arra
 def logits_of(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm and tied output projection: [..., D] -> [..., V] float32."""
     h = rms_norm(x, params.final_norm, cfg.rms_eps)
-    return jnp.einsum("...d,vd->...v", h, params.embed, preferred_element_type=jnp.float32)
+    return unembed(h, params.embed)
 
 
 def attend_layer(
