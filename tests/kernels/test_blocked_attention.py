@@ -85,15 +85,15 @@ def test_blocks_every_row_sees_whole_run_unmasked(options, block_q):
     assert not np.asarray(actual)[3].any()  # the padding sequence
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_decode_wrapper_matches_paged_reference(window):
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (None, 2.0), (3, 2.0)])
+def test_decode_matches_paged_reference(window, soft_cap):
     inputs = make_inputs(3, lengths=[5, 16, 1, 0, 9], num_heads=6, num_kv_heads=2, tokens_per_block=4, pages_per_seq=4,
                          sliding_window=window)
     q = inputs.q[:, 0]
+    options = dict(sm_scale=0.25, sliding_window=window, logit_soft_cap=soft_cap)
     expected = paged_attention_ref(q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
-                                   inputs.page_indices, sm_scale=0.25, sliding_window=window)
-    actual = blocked.paged_attention(q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-                                     sm_scale=0.25, sliding_window=window)
+                                   inputs.page_indices, **options)
+    actual = blocked.paged_attention(q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices, **options)
     assert_close(actual, expected)
     assert not np.asarray(actual)[3].any()  # the padding sequence (length 0)
 
