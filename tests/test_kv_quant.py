@@ -198,14 +198,32 @@ def float32_run(smollm2, long_prompt):
 
 
 @pytest.mark.parametrize("dtype,granularity", [("int8", "token"), ("fp8", "page")])
-def test_smollm2_quantized_cache_deviates_little_from_float32(smollm2, long_prompt, float32_run, dtype, granularity):
+def test_smollm2_quantized_cache_deviates_little_from_float32(smollm2, long_prompt, float32_run, dtype, granularity,
+                                                               monkeypatch):
+    """The engine's quantized cache is 3.5x+ smaller and gives the float32 cache's first token;
+    on the same context (the 540-token prompt, then the float32 run's 8 tokens decoded one at
+    a time, across a page boundary) its logits stay close to the float32 cache's. Greedy
+    continuations are not compared past the first token: fp8 per-page rounding can flip a
+    near-tie (a 0.2-logit margin flipped on one 2-core AVX2 machine, not on another), after
+    which the two runs see different contexts."""
     engine = _engine(smollm2, dtype, granularity)
     assert engine.layout.dtype == dtype and engine.layout.scale_granularity == granularity
     assert engine.cache_size.bytes_per_token < _engine(smollm2, "float32").cache_size.bytes_per_token / 3.5
-    [out] = engine.generate([long_prompt], SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True))
-    kl = kl_divergence(np.stack(float32_run.logits), np.stack(out.logits))
+    [out] = engine.generate([long_prompt], SamplingParams(max_new_tokens=1, ignore_eos=True, return_logits=True))
+    assert out.output == float32_run.output[:1]
+    assert float(kl_divergence(float32_run.logits[0][None], out.logits[0][None])[0]) < 0.05
+
+    tokens = np.asarray(long_prompt + float32_run.output)
+    chunks = [len(long_prompt)] + [1] * len(float32_run.output)
+    exact, _, _ = paged.chunked_logits(smollm2.params, smollm2.config, tokens, chunks, tokens_per_block=32)
+    base_layout = paged.single_group_layout
+    monkeypatch.setattr(paged, "single_group_layout", lambda *a, **k: dataclasses.replace(
+        base_layout(*a, **k), dtype=dtype, scale_granularity=granularity))
+    quantized, pool, _ = paged.chunked_logits(smollm2.params, smollm2.config, tokens, chunks, tokens_per_block=32)
+    assert isinstance(pool.k[0], QuantizedPages) and pool.k[0].scales.shape[1] == (32 if granularity == "token" else 1)
+    steps = slice(len(long_prompt) - 1, len(tokens))  # the prefill's last position, then each decode step
+    kl = kl_divergence(exact[steps], quantized[steps])
     assert 0 < float(np.mean(kl)) < (0.01 if dtype == "int8" else 0.05)
-    assert out.output[:4] == float32_run.output[:4]
 
 
 def test_smollm2_quantized_snapshot_and_host_tier_round_trip_exactly(smollm2, long_prompt, tmp_path):
