@@ -86,7 +86,7 @@ def _as_convolution(x: jax.Array) -> bool:
     XLA:CPU's dot is slow at few rows; the same product written as a width-1 convolution is
     rewritten by XLA into a dot of another operand order that streams the weight faster
     (measured on 2-core AVX2, 30 SmolLM2 layers' projections: 8 rows 38 vs 50 ms, and the
-    batch-8 decode step 75 vs 89 ms). From ~64 rows on the plain dot is as fast or faster.
+    batch-8 decode step 72 vs 87 ms). From ~64 rows on the plain dot is as fast or faster.
     """
     return x.size // x.shape[-1] <= CONV_MAX_ROWS and jax.default_backend() == "cpu"
 
