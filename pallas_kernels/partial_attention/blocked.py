@@ -277,7 +277,8 @@ def paged_attention(
     if logit_soft_cap is not None:
         logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
     logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
-    probs = jnp.where(visible[:, None, None], jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
+    row_max = jnp.max(logits, axis=-1)
+    probs = jnp.where(visible[:, None, None], jnp.exp(logits - row_max[..., None]), 0.0)
     acc = jnp.einsum("shgk,skhd->shgd", probs, v, preferred_element_type=jnp.float32)
-    out = normalized((None, jnp.sum(probs, axis=-1), acc), (lengths > 0)[:, None, None])
+    out = normalized((row_max, jnp.sum(probs, axis=-1), acc), (lengths > 0)[:, None, None])
     return rearrange(out, "s h g d -> s (h g) d").astype(q.dtype)
