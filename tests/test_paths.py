@@ -7,6 +7,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from kvjax.paths import cache_dir, cache_lock
 
 
@@ -38,10 +40,7 @@ def test_cache_lock_makes_a_second_process_wait(tmp_path, monkeypatch):
 
 def test_cache_lock_is_released_when_its_block_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
-    try:
-        with cache_lock("entry"):
-            raise RuntimeError("fill failed")
-    except RuntimeError:
-        pass
+    with pytest.raises(RuntimeError, match="fill failed"), cache_lock("entry"):
+        raise RuntimeError("fill failed")
     code = "from kvjax.paths import cache_lock\nwith cache_lock('entry'): pass\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
