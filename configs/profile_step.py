@@ -12,8 +12,16 @@ GFLOP/s and weight-streaming GB/s, beside this machine's matmul rate and copy ba
 
 Rows: ``decode_b<S>`` (S sequences, one token each), ``prefill_<T>`` (one sequence, T new
 tokens, no cached prefix) and ``extend_<T>_<C>`` (one sequence, T new tokens after C cached
-ones: bench_engine's shared-prefix row is ``extend_124_900``, its repeated prompt ``extend_1_1023``). The trace files stay in the run folder (``trace/<row>``, readable
-by Perfetto or TensorBoard), and each row's compiled HLO as hlo_<row>.txt.
+ones: bench_engine's shared-prefix row is ``extend_124_900``, its repeated prompt
+``extend_1_1023``). The trace files stay in the run folder (``trace/<row>``, readable by
+Perfetto or TensorBoard), and each row's compiled HLO as hlo_<row>.txt.
+
+The trace's CPU times miss work XLA:CPU hands to its thread pool (a few-row product's dot
+shows a fraction of its wall time), so each row is also split by wall clock
+(``components.csv``): the forward, the forward without the output head, the K/V writes and
+attention calls alone and the weight products alone, each compiled as its own program at the
+row's shapes; the head is the difference of the first two and the rest (norms, RoPE,
+residuals, embedding) what the parts leave of the forward without head.
 """
 
 import ml_collections
@@ -27,6 +35,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.decode_context = 128  # cached tokens of each decoding sequence (bench_engine's decode rows)
     config.warmup = 2  # untimed calls per row after compilation
     config.traced_steps = 10  # calls traced per row; op times are per call
+    config.component_rounds = 3  # interleaved rounds of the wall-clock split (components.csv)
+    config.component_calls = 3  # timed calls per part per round, after one warm-up call
     config.attn_impl = "blocked"  # kvjax.attention impl: auto | blocked | reference
     config.top_ops = 12  # ops listed per row in the summary (all of them go to ops_<row>.csv)
 
@@ -39,6 +49,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         config.decode_context = 16
         config.warmup = 1
         config.traced_steps = 2
+        config.component_rounds = 1
+        config.component_calls = 1
         config.kv_cache.max_tokens = 4096
     elif preset:
         raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")

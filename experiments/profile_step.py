@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import pathlib
 import re
@@ -18,12 +19,15 @@ import ml_collections
 import numpy as np
 
 from experiments import report
-from experiments.timing import machine_limits
+from experiments.timing import machine_limits, median_seconds
+from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, PagePool
+from kvjax.cache.pool import slot_mapping, write_layer
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine, pow2_bucket, prefill_bucket
+from kvjax.model.config import ModelConfig
 from kvjax.model.registry import load_model
-from kvjax.model.transformer import forward
+from kvjax.model.transformer import Params, embed_tokens, forward, linear, logits_of
 
 _WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "end: ")
 """Trace events on XLA threads that wrap or wait for ops rather than being one."""
@@ -200,6 +204,113 @@ def profile_row(engine: Engine, row: str, config: ml_collections.ConfigDict, wor
     return totals, ops
 
 
+def attention_only(
+    q: jax.Array, positions: jax.Array, pool: PagePool, block_tables: tuple[jax.Array, ...], lengths: jax.Array, *,
+    cfg: ModelConfig, layout: CacheLayout, attn_impl: str,
+) -> tuple[jax.Array, PagePool]:
+    """The forward's K/V writes and attention calls alone, each attention layer's output the
+    next one's query and (its first KV heads) the K and V it writes, so that every layer's
+    page reads follow its write as in ``forward``. (Without that dependence XLA:CPU starts all
+    layers' page gathers at once, which measured 3.5x slower on 2 cores.)
+
+    Args:
+      q: [S, T, H, d] queries; T = 1 runs the decode attention, as ``forward`` does.
+      positions, block_tables, lengths: the step's (see ``forward``); pool: donated.
+
+    Returns:
+      ([S, T, H, d] the last attention layer's output, the written pool).
+    """
+    pool_k, pool_v = list(pool.k), list(pool.v)
+    for layer in range(cfg.num_layers):
+        if cfg.is_recurrent(layer):
+            continue
+        table = block_tables[layout.layer_group[layer]]
+        page_ids, offsets = slot_mapping(table, positions, layout.tokens_per_block)
+        kv = q[:, :, : cfg.num_kv_heads]
+        pool_k[layer] = write_layer(pool_k[layer], page_ids, offsets, kv)
+        pool_v[layer] = write_layer(pool_v[layer], page_ids, offsets, kv)
+        options = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl)
+        if q.shape[1] == 1:
+            q = attention.paged_attention(q[:, 0], pool_k[layer], pool_v[layer], lengths, table, **options)[:, None]
+        else:
+            q = attention.partial_attention(q, positions, pool_k[layer], pool_v[layer], lengths, table, **options)
+    return q, PagePool(k=tuple(pool_k), v=tuple(pool_v))
+
+
+def products_only(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The forward's weight products alone, at the step's rows: every layer's Q, K, V, output,
+    gate, up and down projections, each layer's input the previous one's output.
+
+    Args:
+      x: [S, T, D] the embedded tokens.
+
+    Returns:
+      ([S, T, D] the last layer's output, [] the sum of every K and V, which keeps them live).
+    """
+    kept = jnp.zeros((), x.dtype)
+    for lp in params.layers:
+        q, k, v = linear(x, lp.wq), linear(x, lp.wk), linear(x, lp.wv)
+        x = x + linear(q, lp.wo)
+        x = x + linear(linear(x, lp.w_gate) * linear(x, lp.w_up), lp.w_down)
+        kept = kept + jnp.sum(k) + jnp.sum(v)
+    return x, kept
+
+
+def components(engine: Engine, row: str, config: ml_collections.ConfigDict) -> dict:
+    """Wall ms of one row's forward split by what it runs, each part compiled as its own
+    program at the row's shapes and timed as the median over ``component_rounds`` interleaved
+    rounds of its median of ``component_calls`` calls after one warm-up call: the forward, the
+    K/V writes and attention calls alone (``attention_only``), the weight products alone
+    (``products_only``) and the output head alone (final norm and tied projection of each
+    row's last token). ``rest_ms`` (norms, RoPE, SiLU, residuals, embedding) is what those
+    parts leave of the forward. Rates: the products' FLOPs and weight bytes per wall second."""
+    model, layout = engine.model, engine.layout
+    cfg = model.config
+    args = step_args(layout, row, config.decode_context, cfg.vocab_size)
+    step = (model.params, engine.pool, args.tokens, args.positions, args.block_tables, args.lengths)
+    full = forward.lower(*step, cfg=cfg, layout=layout, logits_mode="last", attn_impl=config.attn_impl).compile()
+    pool: PagePool = engine.pool
+
+    def run_forward() -> PagePool:
+        nonlocal pool
+        _, pool = full(model.params, pool, args.tokens, args.positions, args.block_tables, args.lengths)
+        return pool
+
+    def run_attention() -> PagePool:
+        nonlocal pool
+        _, pool = attend(q, args.positions, pool, args.block_tables, args.lengths)
+        return pool
+
+    rows, steps = args.tokens.shape
+    q = jax.random.normal(jax.random.key(0), (rows, steps, cfg.num_heads, cfg.head_dim), model.params.embed.dtype)
+    attend = jax.jit(functools.partial(attention_only, cfg=cfg, layout=layout, attn_impl=config.attn_impl),
+                     donate_argnames="pool").lower(q, args.positions, engine.pool, args.block_tables, args.lengths).compile()
+    x = embed_tokens(model.params, cfg, args.tokens)
+    products = jax.jit(products_only).lower(model.params, x).compile()
+    last = x[:, -1]  # [S, D]: the head runs on one token per row, as with logits_mode="last"
+    head = jax.jit(functools.partial(logits_of, cfg=cfg)).lower(model.params, x=last).compile()
+    programs = {
+        "forward": run_forward,
+        "attention": run_attention,
+        "products": lambda: products(model.params, x),
+        "head": lambda: head(model.params, x=last),
+    }
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for _ in range(config.component_rounds):
+        for name, program in programs.items():
+            times[name].append(median_seconds(program, 1, config.component_calls) * 1e3)
+    engine.pool = pool
+    ms = {name: float(np.median(t)) for name, t in times.items()}
+    weights = [w for lp in model.params.layers for w in (lp.wq, lp.wk, lp.wv, lp.wo, lp.w_gate, lp.w_up, lp.w_down)]
+    flops = 2 * rows * steps * sum(w.size for w in weights)
+    return {
+        "row": row, "forward_ms": ms["forward"], "attention_ms": ms["attention"], "products_ms": ms["products"],
+        "head_ms": ms["head"], "rest_ms": ms["forward"] - ms["attention"] - ms["products"] - ms["head"],
+        "products_gflops": flops / ms["products"] / 1e6,
+        "products_weight_gb_s": sum(w.nbytes for w in weights) / ms["products"] / 1e6,
+    }
+
+
 def grouped(ops: list[dict]) -> list[dict]:
     """Ops summed by label (e.g. the 30 per-layer instances of one projection)."""
     groups: dict[str, dict] = {}
@@ -216,15 +327,18 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     engine = Engine(model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(),
                     max_seq_len=config.kv_cache.max_tokens, attn_impl=config.attn_impl)
     limits = machine_limits()
-    rows, sections = [], []
+    rows, parts, sections = [], [], []
     for row in config.rows:
         totals, ops = profile_row(engine, row, config, workdir)
         rows.append(totals)
+        parts.append(components(engine, row, config))
         report.write_csv(workdir / f"ops_{row}.csv", ops)
         sections.append((f"{row}: ops grouped by label (CPU ms per step, summed over threads)",
                          report.markdown_table(grouped(ops)[: config.top_ops])))
     sections.insert(0, ("Rows (wall ms per forward; CPU ms summed over XLA threads)", report.markdown_table(rows)))
-    sections.insert(1, ("Machine", report.markdown_table([limits])))
+    sections.insert(1, ("Components (wall ms per forward, each part run as its own program)", report.markdown_table(parts)))
+    sections.insert(2, ("Machine", report.markdown_table([limits])))
     report.write_csv(workdir / "rows.csv", rows)
+    report.write_csv(workdir / "components.csv", parts)
     report.write_summary(workdir, f"Per-op profile of the forward step — {config.model}", sections)
-    return {"rows": rows, "machine": limits}
+    return {"rows": rows, "components": parts, "machine": limits}

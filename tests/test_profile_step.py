@@ -32,6 +32,14 @@ def test_profile_labels_every_weight_matmul(tmp_path, smollm2):
     assert all(r["wall_ms"] > 0 and r["cpu_ms"] >= 0.5 * r["wall_ms"] for r in rows.values())
     assert any((tmp_path / "trace" / "decode_b2").glob("**/*.xplane.pb"))
     assert "decode_b2: ops grouped by label" in (tmp_path / "summary.md").read_text()
+    # The components' weight products are the model's layer products at the row's rows: their
+    # FLOPs (from the parameter sizes) equal the traced layer dots' (from the compiled HLO).
+    parts = {p["row"]: p for p in results["components"]}
+    layer_flops = 2 * 2 * cfg.num_layers * per_layer
+    decode = parts["decode_b2"]
+    assert decode["products_gflops"] * decode["products_ms"] * 1e6 == pytest.approx(layer_flops, rel=1e-9)
+    assert all(p["forward_ms"] > 0 and p["attention_ms"] > 0 and p["products_ms"] > 0 for p in parts.values())
+    assert "Components (wall ms per forward" in (tmp_path / "summary.md").read_text()
 
 
 def test_unknown_row_is_an_error():
