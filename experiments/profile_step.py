@@ -24,7 +24,7 @@ from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, PagePool
 from kvjax.cache.pool import slot_mapping, write_layer
 from kvjax.config import KvCacheConfig, SchedulerConfig
-from kvjax.engine import Engine, pow2_bucket, prefill_bucket
+from kvjax.engine import Engine, pow2_bucket, prefill_bucket, table_width
 from kvjax.model.config import ModelConfig
 from kvjax.model.registry import load_model
 from kvjax.model.transformer import Params, embed_tokens, forward, linear, logits_of
@@ -73,7 +73,7 @@ def step_args(layout: CacheLayout, row: str, context: int, vocab_size: int, seed
     positions[:seqs, :new] = np.arange(start, start + new)
     lengths[:seqs] = start + new
     pages = layout.pages_for(start + new)
-    width = pow2_bucket(pages, 4)
+    width = table_width(pages)
     table = np.full((rows, width), NULL_PAGE, np.int32)
     table[:seqs, :pages] = 1 + np.arange(seqs * pages).reshape(seqs, pages)
     tables = tuple(jnp.asarray(table) for _ in range(layout.num_groups))

@@ -115,6 +115,21 @@ def prefill_bucket(n: int) -> int:
     return pow2_bucket(n, 16) if n <= PREFILL_STEP else -(-n // PREFILL_STEP) * PREFILL_STEP
 
 
+MIN_TABLE_WIDTH = 4
+"""Fewest pages in a step's block tables."""
+
+
+def table_width(pages: int) -> int:
+    """Pages in a step's block tables when its longest sequence needs ``pages``: at least
+    MIN_TABLE_WIDTH, then four widths per doubling (5, 6, 7, 8, 10, 12, 14, 16, 20, ...), so
+    attention gathers at most 25% of pages past the longest sequence's last one, where
+    powers of two gathered up to 100% (a 161-token batch-8 decode step read 8 pages per
+    sequence for 6 needed). Each width is one compiled shape per row bucket."""
+    n = max(int(pages), MIN_TABLE_WIDTH)
+    step = 1 << max(0, (n - 1).bit_length() - 3)  # 1 up to 8 pages, 2 up to 16, 4 up to 32, ...
+    return -(-n // step) * step
+
+
 def check_token_ids(token_ids: object, vocab_size: int, field: str = "prompt_token_ids") -> tuple[int, ...]:
     """A prompt's ids as a tuple of Python ints, or a ``ValueError`` naming ``field``.
 
@@ -506,7 +521,7 @@ class Engine:
             budgets[i] = req.max_new_tokens - len(req.output_token_ids)
             longest = max(longest, req.num_computed_tokens + min(n, int(budgets[i])))
             works.append(ScheduledRequest(req.request_id, (int(tokens[i]),), req.num_computed_tokens, False, True))
-        width = min(pow2_bucket(self.layout.pages_for(longest), 4), manager.max_blocks)
+        width = min(table_width(self.layout.pages_for(longest)), manager.max_blocks)
         try:
             self.pool, states, emitted, counts, ok = decode_steps(
                 self.model.params, self.pool, manager.states, jnp.asarray(row_ids), jnp.asarray(tokens),
@@ -656,7 +671,7 @@ class Engine:
             tokens[i, :n] = w.token_ids
             positions[i, :n] = np.arange(w.start, w.start + n)
             lengths[i] = w.start + n
-        width = pow2_bucket(self.layout.pages_for(int(lengths.max())), 4)
+        width = table_width(self.layout.pages_for(int(lengths.max())))
         tables = self._block_tables(works, rows, width)
         samples = any(w.samples for w in works)
         slots = None if self.state_snapshots is None else self._state_slots(works, rows)
@@ -702,7 +717,7 @@ class Engine:
         start_time = time.perf_counter()
         rows = pow2_bucket(len(works))
         draft_rows, allocated = self._draft_rows(works)
-        width = pow2_bucket(self.layout.pages_for(max(allocated)), 4)
+        width = table_width(self.layout.pages_for(max(allocated)))
         tables = self._block_tables(works, rows, width)
         drafts, self.pool = self.drafter.propose(draft_rows, rows, self.pool, tables)
         num_drafts = drafts.num_drafts

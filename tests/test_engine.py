@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvjax.config import KvCacheConfig, SchedulerConfig
-from kvjax.engine import Engine
+from kvjax.engine import MIN_TABLE_WIDTH, Engine, table_width
 from kvjax.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, return_logits=True)
@@ -29,6 +29,15 @@ def make_engine(model, max_seq_len: int = 512, **kv) -> Engine:
     kv = {"tokens_per_block": 16, "max_tokens": 2048, **kv}
     scheduler = SchedulerConfig(max_num_tokens=512, prefill_chunk_size=128)
     return Engine(model, KvCacheConfig(**kv), scheduler, max_seq_len=max_seq_len)
+
+
+def test_table_width_gathers_at_most_a_quarter_past_the_longest_sequence():
+    widths = [table_width(pages) for pages in range(300)]
+    assert widths[:9] == [4, 4, 4, 4, 4, 5, 6, 7, 8]
+    assert widths == sorted(widths)
+    assert all(w >= max(p, MIN_TABLE_WIDTH) for p, w in enumerate(widths))
+    assert all(w - p < p / 4 for p, w in enumerate(widths) if p > MIN_TABLE_WIDTH)
+    assert sorted({w for w in widths if 32 < w <= 64}) == [40, 48, 56, 64]  # four widths per doubling
 
 
 def test_batched_equals_one_at_a_time(smollm2, prompts):

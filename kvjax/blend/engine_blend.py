@@ -52,7 +52,7 @@ from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
 from kvjax.blend.selection import Roles, SelectionConfig, estimated_rows, plan, round_up
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
-from kvjax.engine import Engine, pow2_bucket
+from kvjax.engine import Engine, pow2_bucket, table_width
 from kvjax.manager.hashing import InternalScope
 
 
@@ -245,7 +245,7 @@ def blended_prefill(
             reuse.selection, padded, cfg.num_layers, forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
             num_cached=num_cached, exact_len=exact_len, scores=reuse.scores,
         )
-        width = pow2_bucket(engine.layout.pages_for(padded), 4)
+        width = table_width(engine.layout.pages_for(padded))
         block_table = np.full((len(own), width), NULL_PAGE, np.int32)
         for g, table in enumerate(own):
             block_table[g, : len(table)] = table
