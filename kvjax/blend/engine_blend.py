@@ -52,7 +52,7 @@ from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
 from kvjax.blend.selection import Roles, SelectionConfig, estimated_rows, plan, round_up
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
-from kvjax.engine import Engine, pow2_bucket, table_width
+from kvjax.engine import Engine, table_width
 from kvjax.manager.hashing import InternalScope
 
 
