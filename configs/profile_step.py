@@ -18,10 +18,10 @@ Perfetto or TensorBoard), and each row's compiled HLO as hlo_<row>.txt.
 
 The trace's CPU times miss work XLA:CPU hands to its thread pool (a few-row product's dot
 shows a fraction of its wall time), so each row is also split by wall clock
-(``components.csv``): the forward, the forward without the output head, the K/V writes and
-attention calls alone and the weight products alone, each compiled as its own program at the
-row's shapes; the head is the difference of the first two and the rest (norms, RoPE,
-residuals, embedding) what the parts leave of the forward without head.
+(``components.csv``): the forward, the K/V writes and attention calls alone, the weight
+products alone and the output head alone, each compiled as its own program at the row's
+shapes; the rest (norms, RoPE, SiLU, residuals, embedding) is what the parts leave of the
+forward.
 """
 
 import ml_collections

@@ -149,14 +149,24 @@ def op_times(trace_dir: pathlib.Path) -> dict[str, tuple[float, int]]:
     return {name: (ns, n) for name, (ns, n) in times.items()}
 
 
-def profile_row(engine: Engine, row: str, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> tuple[dict, list[dict]]:
-    """Compiles and traces the forward of one row (trace under ``workdir/trace/<row>``, HLO in
-    ``workdir/hlo_<row>.txt``); returns (the row's totals, one dict per traced op)."""
-    trace_dir = workdir / "trace" / row
+def compile_row(engine: Engine, row: str, config: ml_collections.ConfigDict) -> tuple[StepArgs, jax.stages.Compiled]:
+    """The engine's arguments for one row and ``forward`` compiled for them (logits of each
+    row's last token, as the engine asks when it samples)."""
     model = engine.model
     args = step_args(engine.layout, row, config.decode_context, model.config.vocab_size)
     static = dict(cfg=model.config, layout=engine.layout, logits_mode="last", attn_impl=config.attn_impl)
     compiled = forward.lower(model.params, engine.pool, args.tokens, args.positions, args.block_tables, args.lengths, **static).compile()
+    return args, compiled
+
+
+def profile_row(
+    engine: Engine, args: StepArgs, compiled: jax.stages.Compiled, row: str, config: ml_collections.ConfigDict,
+    workdir: pathlib.Path,
+) -> tuple[dict, list[dict]]:
+    """Traces the compiled forward of one row (trace under ``workdir/trace/<row>``, HLO in
+    ``workdir/hlo_<row>.txt``); returns (the row's totals, one dict per traced op)."""
+    trace_dir = workdir / "trace" / row
+    model = engine.model
     hlo = compiled.as_text()
     (workdir / f"hlo_{row}.txt").write_text(hlo)
     labels = hlo_ops(hlo)
@@ -256,19 +266,20 @@ def products_only(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x, kept
 
 
-def components(engine: Engine, row: str, config: ml_collections.ConfigDict) -> dict:
+def components(engine: Engine, args: StepArgs, full: jax.stages.Compiled, row: str,
+               config: ml_collections.ConfigDict) -> dict:
     """Wall ms of one row's forward split by what it runs, each part compiled as its own
     program at the row's shapes and timed as the median over ``component_rounds`` interleaved
     rounds of its median of ``component_calls`` calls after one warm-up call: the forward, the
     K/V writes and attention calls alone (``attention_only``), the weight products alone
     (``products_only``) and the output head alone (final norm and tied projection of each
     row's last token). ``rest_ms`` (norms, RoPE, SiLU, residuals, embedding) is what those
-    parts leave of the forward. Rates: the products' FLOPs and weight bytes per wall second."""
+    parts leave of the forward. Rates: the products' FLOPs and weight bytes per wall second.
+
+    Args:
+      args, full: the row's arguments and compiled forward (``compile_row``)."""
     model, layout = engine.model, engine.layout
     cfg = model.config
-    args = step_args(layout, row, config.decode_context, cfg.vocab_size)
-    step = (model.params, engine.pool, args.tokens, args.positions, args.block_tables, args.lengths)
-    full = forward.lower(*step, cfg=cfg, layout=layout, logits_mode="last", attn_impl=config.attn_impl).compile()
     pool: PagePool = engine.pool
 
     def run_forward() -> PagePool:
@@ -329,9 +340,10 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     limits = machine_limits()
     rows, parts, sections = [], [], []
     for row in config.rows:
-        totals, ops = profile_row(engine, row, config, workdir)
+        args, compiled = compile_row(engine, row, config)
+        totals, ops = profile_row(engine, args, compiled, row, config, workdir)
         rows.append(totals)
-        parts.append(components(engine, row, config))
+        parts.append(components(engine, args, compiled, row, config))
         report.write_csv(workdir / f"ops_{row}.csv", ops)
         sections.append((f"{row}: ops grouped by label (CPU ms per step, summed over threads)",
                          report.markdown_table(grouped(ops)[: config.top_ops])))
