@@ -75,6 +75,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.eval.continuation_tokens = 24  # N: teacher-forced continuation length for KL / top-1 (>= max_answer_tokens)
     config.eval.max_answer_tokens = 16  # greedy answer budget (gold scores)
     config.eval.num_probes = 16  # suffix rows traced for attention deviation
+    config.eval.detail_prompts = 4  # first prompts with per-layer KV / attention deviation (a traced run per policy)
+    config.eval.decode_batch = 16  # answers decoded together (engine max_batch_size)
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
     config.runtime = ml_collections.ConfigDict()

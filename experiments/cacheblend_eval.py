@@ -1,12 +1,16 @@
 """Evaluation for the CacheBlend experiment: the engine, the workload's train and eval prompts,
-the full-recompute reference of a prompt, the quality of one policy against it (KL, top-1,
-gold score, FLOP fraction, deviations), the learned scorer's training, and the aggregation
-into rows with bootstrap intervals over prompts.
+the full-recompute reference of a prompt, each policy's one prefill and its quality against
+the reference (KL, top-1, gold score, FLOP fraction, deviations), the learned scorer's
+training, and the aggregation into rows with bootstrap intervals over prompts.
 
-Per prompt, the full-recompute greedy continuation of N tokens is the reference every
-policy is teacher-forced along (fed behind the prompt of another request of the same
-policy); a policy's greedy answer is the reference's up to the first position where the
-policy's top-1 differs, then the policy's own greedy tokens.
+Per prompt and policy there is one prefill, timed alone with nothing compiling in it
+(``timed`` re-runs a prefill that compiled). Its KV stays in the engine's tree under the
+run's scope, and two ordinary requests continue it (``Blender.extend``): the reference's
+greedy continuation of N tokens fed behind the prompt (teacher forcing: the policy's
+logits at every position along the reference) and, when the policy's top-1 leaves the
+reference inside the answer, its own greedy answer from there. The answers of all policies
+of a prompt decode together. The reference itself is the full-recompute request, generating
+N tokens.
 
 Shapes: L = layers, T = prompt tokens, K = kv heads, d = head_dim, V = vocab, N = continuation,
 P = probe rows, H = heads.
@@ -16,16 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Callable, Sequence
 
 import ml_collections
 import numpy as np
 
 from experiments.policies import POLICIES
+from experiments.timing import compilations_during
 from experiments.workloads import WORKLOADS, gold_scores
 from experiments.workloads.rag import RagExample
 from kvjax import metrics
 from kvjax.blend import loading_controller, scorer, selection
-from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt, PolicyRun
+from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt, Extension, PolicyRun
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
@@ -41,7 +47,13 @@ needles of a needle-in-a-haystack prompt come from the seed, not from the essays
 
 @dataclasses.dataclass
 class Setup:
-    """The model, the engine and the prompts of one run."""
+    """The model, the engine and the prompts of one run.
+
+    Attributes:
+      max_chunk_tokens: the longest chunk the store takes (a windowed layer group keeps a
+        stored chunk whole only inside its window); longer chunks were split.
+      num_split_chunks: chunks of the evaluation and training prompts split to fit it.
+    """
 
     model: Model
     stop_ids: tuple[int, ...]
@@ -50,6 +62,8 @@ class Setup:
     blender: Blender
     examples: list[RagExample]  # evaluation prompts
     train_examples: list[RagExample]  # the learned scorer's training prompts (disjoint)
+    max_chunk_tokens: int
+    num_split_chunks: int
 
     @property
     def prompts(self) -> list[BlendPrompt]:
@@ -86,8 +100,25 @@ def check_disjoint(train: list[RagExample], evaluation: list[RagExample]) -> Non
                              "with the evaluation prompts")
 
 
+def split_long_chunks(example: RagExample, limit: int) -> tuple[RagExample, int]:
+    """``example`` with every chunk longer than ``limit`` tokens cut into the fewest pieces of
+    near-equal length (each precomputed alone, as a retriever's passages would be); returns it
+    and the number of chunks cut. ``fact_chunks`` follow their chunks' first piece and pieces."""
+    chunks, facts, first, cut = [], [], [], 0
+    for i, chunk in enumerate(example.chunks):
+        pieces = -(-len(chunk) // limit)
+        cut += pieces > 1
+        first.append(len(chunks))
+        bounds = np.linspace(0, len(chunk), pieces + 1).round().astype(int)
+        chunks += [chunk[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        if i in example.fact_chunks:
+            facts += range(len(chunks) - pieces, len(chunks))
+    return dataclasses.replace(example, chunks=tuple(chunks), fact_chunks=tuple(facts)), cut
+
+
 def build(config: ml_collections.ConfigDict) -> Setup:
-    """Loads the model, builds the prompts (eval and, if "learned" runs, train) and the engine."""
+    """Loads the model, builds the prompts (eval and, if "learned" runs, train) and the engine;
+    chunks too long for the store are split (``split_long_chunks``)."""
     unknown = [p for p in config.policies if p not in POLICIES]
     if unknown or "full_recompute" not in config.policies:
         raise ValueError(f"policies={tuple(config.policies)} must include 'full_recompute' and only names from {POLICIES}")
@@ -100,17 +131,24 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     needs_training = "learned" in config.policies or "learned" in config.sweep.policies
     train = workload_examples(config, tok, split="train", num=config.learned.train_prompts) if needs_training else []
     check_disjoint(train, examples)
-    everything = examples + train
-    bucket = config.runtime.token_bucket
-    longest = max(len(e.prefix) + sum(map(len, e.chunks)) + len(e.suffix) for e in everything)
+    bucket, ps = config.runtime.token_bucket, config.runtime.tokens_per_block
+    longest = max(len(e.prefix) + sum(map(len, e.chunks)) + len(e.suffix) for e in examples + train)
     engine = Engine(
-        model, KvCacheConfig(tokens_per_block=config.runtime.tokens_per_block, max_tokens=config.store.cache_tokens),
-        SchedulerConfig(max_num_tokens=8192, prefill_chunk_size=8192),
+        model, KvCacheConfig(tokens_per_block=ps, max_tokens=config.store.cache_tokens),
+        SchedulerConfig(max_num_tokens=8192, prefill_chunk_size=8192, max_batch_size=config.eval.decode_batch),
         max_seq_len=longest + config.eval.continuation_tokens + config.eval.max_answer_tokens + bucket,
-        attn_impl=config.runtime.attn_impl,
+        attn_impl=config.runtime.attn_impl, max_finished_requests=64,
     )
     store = ChunkStore(engine, variant=config.store.variant, prefix_tokens=examples[0].prefix)
-    return Setup(model, stop_ids, engine, store, Blender(store, token_bucket=bucket), examples, train)
+    windows = engine.manager.group_windows
+    room = min(windows) - 1 if len(windows) > 1 else engine.max_seq_len - ps  # a stored chunk, padded, plus one sample
+    limit = room // ps * ps - store.stored_start
+    if limit < 1:
+        raise ValueError(f"runtime.tokens_per_block={ps} leaves no room for a chunk in the smallest window {min(windows)}")
+    split = [split_long_chunks(e, limit) for e in examples + train]
+    examples, train = [e for e, _ in split[: len(examples)]], [e for e, _ in split[len(examples):]]
+    return Setup(model, stop_ids, engine, store, Blender(store, token_bucket=bucket), examples, train, limit,
+                 sum(n for _, n in split))
 
 
 def selection_config(config: ml_collections.ConfigDict, ratio: float) -> selection.SelectionConfig:
@@ -124,87 +162,188 @@ def selection_config(config: ml_collections.ConfigDict, ratio: float) -> selecti
 
 @dataclasses.dataclass
 class Reference:
-    """Full recompute of one prompt: continuation, its logits, KV and suffix attention."""
+    """Full recompute of one prompt: its run (TTFT, KV), continuation and logits, exact KV,
+    the reused KV's deviation and the suffix attention.
 
-    continuation: np.ndarray  # [N]
-    logits: np.ndarray  # [N, V]
+    Attributes:
+      run: the full-recompute request (its KV under ``run.scope``).
+      continuation: [N] its greedy tokens; logits: [N, V] their logits.
+      answer_len: tokens of the greedy answer (``answer_text``), its stop token included.
+      k, v: [L, T, K, d] exact KV; true_dev: [L, T] deviation of the reused KV (full reuse);
+      attn: [L, P, H*d] attention output of the probe rows.
+      last_logit_error: max |difference| of the last prompt logits between the blended
+        path recomputing every token (selector "all") and the full-recompute request.
+    """
+
+    run: PolicyRun
+    continuation: np.ndarray
+    logits: np.ndarray
     answer_len: int
     answer: str
-    k: np.ndarray  # [L, T, K, d]
+    k: np.ndarray
     v: np.ndarray
-    true_dev: np.ndarray  # [L, T] deviation of the reused KV (full reuse)
-    attn: np.ndarray  # [L, P, H*d]
-    ttft_s: float
+    true_dev: np.ndarray
+    attn: np.ndarray
+    last_logit_error: float
+
+
+@dataclasses.dataclass
+class TimingLog:
+    """Compilation kept out of timed figures.
+
+    Attributes:
+      timed_runs: prefills timed.
+      warmup_runs: prefills that compiled and were run again before timing.
+      warmup_s: wall seconds of those runs (compilation included).
+      compiles_in_timed: programs compiled inside a timed prefill (always 0: ``timed`` raises otherwise).
+    """
+
+    timed_runs: int = 0
+    warmup_runs: int = 0
+    warmup_s: float = 0.0
+    compiles_in_timed: int = 0
+
+
+MAX_WARMUPS = 3
+"""Runs of one prefill that may compile before ``timed`` gives up."""
+
+
+def timed(setup: Setup, prompt: BlendPrompt, pol: selection.SelectionConfig | str, log: TimingLog, *,
+          scores: np.ndarray | None = None, max_new_tokens: int = 1) -> PolicyRun:
+    """One policy's prefill (alone on the engine) with its TTFT; a run during which JAX
+    compiled anything is discarded and run again, so the returned TTFT holds no compilation.
+
+    Raises:
+      RuntimeError: it still compiled after ``MAX_WARMUPS`` runs (shapes that never repeat).
+    """
+    scores = None if pol == FULL_RECOMPUTE else scores
+    for _ in range(MAX_WARMUPS):
+        run, compiled = compilations_during(
+            lambda: setup.blender.run(prompt, pol, scores=scores, max_new_tokens=max_new_tokens))
+        if not compiled.programs:
+            log.timed_runs += 1
+            return run
+        log.warmup_runs += 1
+        log.warmup_s += run.ttft_s
+    log.compiles_in_timed += compiled.programs
+    raise RuntimeError(f"policy {pol!r} compiled {compiled.programs} programs in each of {MAX_WARMUPS} runs")
 
 
 def answer_text(tokenizer: Tokenizer, tokens: list[int], stop_ids: tuple[int, ...]) -> tuple[str, int]:
-    """Decoded answer up to the first stop token, and its length in tokens (stop included)."""
-    end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
-    return tokenizer.decode(tokens[:end]).strip(), end
+    """Decoded answer and its length in tokens (stop included): leading whitespace tokens and
+    stop tokens are skipped, then the answer runs to the next stop token."""
+    start = next((i for i, t in enumerate(tokens) if t not in stop_ids and tokenizer.decode([t]).strip()), len(tokens))
+    end = next((i + 1 for i in range(start, len(tokens)) if tokens[i] in stop_ids), len(tokens))
+    return tokenizer.decode(tokens[start:end]).strip(), end
 
 
-def reference(setup: Setup, prompt: BlendPrompt, sel_cfg: selection.SelectionConfig, config: ml_collections.ConfigDict) -> Reference:
-    """Full recompute of ``prompt`` (greedy continuation), plus the exact and fully reused KV."""
+def reference(setup: Setup, prompt: BlendPrompt, sel_cfg: selection.SelectionConfig, config: ml_collections.ConfigDict,
+              log: TimingLog) -> Reference:
+    """Full recompute of ``prompt`` (timed, N greedy tokens), plus the exact and fully reused KV."""
     n, blender = prompt.roles.num_tokens, setup.blender
-    full = blender.run(prompt, FULL_RECOMPUTE, max_new_tokens=config.eval.continuation_tokens)
+    full = timed(setup, prompt, FULL_RECOMPUTE, log, max_new_tokens=config.eval.continuation_tokens)
     continuation = np.asarray(full.tokens, np.int32)
     answer, answer_len = answer_text(setup.model.tokenizer, continuation.tolist()[: config.eval.max_answer_tokens], setup.stop_ids)
     probes = config.eval.num_probes
-    exact = blender.run(prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=probes).trace
+    exact = blender.run(prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=probes)
     reused = blender.run(prompt, dataclasses.replace(sel_cfg, selector="none"), num_probes=probes).trace
-    k_full, v_full = np.asarray(exact["k"])[:, :n], np.asarray(exact["v"])[:, :n]
+    k_full, v_full = np.asarray(exact.trace["k"])[:, :n], np.asarray(exact.trace["v"])[:, :n]
     true_dev = metrics.kv_deviation(np.asarray(reused["k"])[:, :n], np.asarray(reused["v"])[:, :n], k_full, v_full)
-    return Reference(continuation, full.logits, answer_len, answer, k_full, v_full, true_dev, np.asarray(exact["attn"]),
-                     full.ttft_s)
+    error = float(np.abs(exact.logits[0] - full.logits[0]).max())
+    return Reference(full, continuation, full.logits, answer_len, answer, k_full, v_full, true_dev,
+                     np.asarray(exact.trace["attn"]), error)
 
 
-def timed(setup: Setup, prompt: BlendPrompt, pol: selection.SelectionConfig | str, ref: Reference) -> PolicyRun:
-    """One policy's prefill to its first token (TTFT); the oracle's scores come from ``ref``."""
-    return setup.blender.run(prompt, pol, scores=None if pol == FULL_RECOMPUTE else ref.true_dev)
-
-
-def evaluate(setup: Setup, example: RagExample, name: str, pol: selection.SelectionConfig, ref: Reference,
-             config: ml_collections.ConfigDict, *, detailed: bool) -> dict:
-    """Quality of one policy against the reference (full recompute is evaluated as selector
-    "all", which equals it): KL, top-1, first divergence, gold scores of its greedy answer,
-    FLOP fraction; ``detailed`` adds per-layer KV and attention deviation and recall vs the oracle."""
-    blender, tok, stop_ids = setup.blender, setup.model.tokenizer, setup.stop_ids
-    prompt = BlendPrompt(example.prefix, example.chunks, example.suffix)
-    n = prompt.roles.num_tokens
-    probes = config.eval.num_probes if detailed else 1
-    forced = blender.run(prompt, pol, feed=ref.continuation[:-1].tolist(), num_probes=probes, scores=ref.true_dev)
-    logits = forced.logits
+def _quality(ref: Reference, logits: np.ndarray) -> dict:
     kl = metrics.kl_divergence(ref.logits, logits)
     div = metrics.first_divergence(ref.logits, logits)
-    out = {"kl": float(kl.mean()), "top1": float(metrics.top1_agreement(ref.logits, logits).mean()), "first_div": div,
-           "answer_agree": float(div >= ref.answer_len)}
-    if div >= ref.answer_len:
-        answer = ref.answer
-    else:
-        tokens = [*ref.continuation[:div].tolist(), int(np.argmax(logits[div]))]
-        budget = config.eval.max_answer_tokens - len(tokens)
-        if tokens[-1] not in stop_ids and budget > 0:
-            tokens += blender.run(prompt, pol, feed=tokens[:-1], max_new_tokens=budget + 1, scores=ref.true_dev).tokens[1:]
-        answer, _ = answer_text(tok, tokens, stop_ids)
-    out.update(gold_scores(example, answer))
-    out["answer"] = answer
-    mask = np.asarray(forced.trace["recomputed"])[:, :n]
-    if name == "full_recompute":
-        mask = np.ones_like(mask)
-    out["flop_fraction"] = metrics.recompute_flop_fraction(setup.model.config, mask, n, forced.qkv_checks)
-    if detailed:
-        k, v = np.asarray(forced.trace["k"])[:, :n], np.asarray(forced.trace["v"])[:, :n]
-        dev = metrics.relative_kv_deviation(metrics.kv_deviation(k, v, ref.k, ref.v), ref.k, ref.v)
-        selectable, _ = prompt.roles.masks(n)
-        sel, unsel = mask & selectable[None], ~mask & selectable[None]
-        out["dev_selected"] = np.asarray([dev[i][sel[i]].mean() if sel[i].any() else np.nan for i in range(len(dev))])
-        out["dev_unselected"] = np.asarray([dev[i][unsel[i]].mean() if unsel[i].any() else np.nan for i in range(len(dev))])
-        valid = np.arange(config.eval.num_probes) < prompt.roles.num_forced
-        out["attn_dev"] = metrics.attention_deviation(np.asarray(forced.trace["attn"]), ref.attn, valid)
-        oracle = selection.select_oracle(prompt.roles, pol.recompute_ratio, ref.true_dev, 1)
-        oracle_ids = np.setdiff1d(oracle.rows[oracle.rows_valid], np.arange(prompt.roles.suffix_start, n))
-        out["oracle_recall"] = metrics.recall(np.flatnonzero(mask[-1] & selectable), oracle_ids)
-    return out
+    return {"kl": float(kl.mean()), "top1": float(metrics.top1_agreement(ref.logits, logits).mean()), "first_div": div,
+            "answer_agree": float(div >= ref.answer_len)}
+
+
+def _recall_vs_oracle(prompt: BlendPrompt, ratio: float, ref: Reference, recomputed: np.ndarray) -> float:
+    """Share of the oracle's chunk tokens (highest true deviation) that the last layer recomputed."""
+    selectable, _ = prompt.roles.masks(prompt.roles.num_tokens)
+    oracle = selection.select_oracle(prompt.roles, ratio, ref.true_dev, 1)
+    oracle_ids = np.setdiff1d(oracle.rows[oracle.rows_valid], np.arange(prompt.roles.suffix_start, prompt.roles.num_tokens))
+    return metrics.recall(np.flatnonzero(recomputed[-1] & selectable), oracle_ids)
+
+
+def _deviations(setup: Setup, prompt: BlendPrompt, pol: selection.SelectionConfig, ref: Reference,
+                config: ml_collections.ConfigDict) -> dict:
+    """Per-layer KV deviation of the selected and the reused tokens, and the suffix attention
+    deviation, from a traced (untimed) run of the policy."""
+    n = prompt.roles.num_tokens
+    trace = setup.blender.run(prompt, pol, num_probes=config.eval.num_probes, scores=ref.true_dev).trace
+    mask = np.asarray(trace["recomputed"])[:, :n]
+    k, v = np.asarray(trace["k"])[:, :n], np.asarray(trace["v"])[:, :n]
+    dev = metrics.relative_kv_deviation(metrics.kv_deviation(k, v, ref.k, ref.v), ref.k, ref.v)
+    selectable, _ = prompt.roles.masks(n)
+    sel, unsel = mask & selectable[None], ~mask & selectable[None]
+    valid = np.arange(config.eval.num_probes) < prompt.roles.num_forced
+    return {
+        "dev_selected": np.asarray([dev[i][sel[i]].mean() if sel[i].any() else np.nan for i in range(len(dev))]),
+        "dev_unselected": np.asarray([dev[i][unsel[i]].mean() if unsel[i].any() else np.nan for i in range(len(dev))]),
+        "attn_dev": metrics.attention_deviation(np.asarray(trace["attn"]), ref.attn, valid),
+    }
+
+
+def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str, str, selection.SelectionConfig | str]],
+                    ref: Reference, config: ml_collections.ConfigDict, log: TimingLog, *, detailed: bool) -> dict[str, dict]:
+    """Every run of one prompt against its reference.
+
+    Args:
+      runs: (key, policy name, policy) per run; keys are unique ("cacheblend", "epic@0.3", ...).
+      detailed: adds per-layer deviations (a traced run per policy, untimed).
+
+    Returns:
+      {key: metrics}: ttft_s, kl, top1, first_div, answer_agree, the gold scores and answer,
+      flop_fraction, recall_vs_oracle, phases (seconds of the blended prefill's parts), and
+      with ``detailed`` dev_selected, dev_unselected, attn_dev [L].
+    """
+    prompt = BlendPrompt(example.prefix, example.chunks, example.suffix)
+    n, cfg, tok = prompt.roles.num_tokens, setup.model.config, setup.model.tokenizer
+    budget = config.eval.max_answer_tokens
+    results: dict[str, dict] = {}
+    answers: dict[str, Extension] = {}
+    done: dict[selection.SelectionConfig | str, str] = {}  # a sweep point at the run's ratio is the policy's own run
+    for key, name, pol in runs:
+        if pol in done:
+            results[key] = dict(results[done[pol]])
+            if done[pol] in answers:
+                answers[key] = answers[done[pol]]
+            continue
+        done[pol] = key
+        if pol == FULL_RECOMPUTE:
+            out = {"ttft_s": ref.run.ttft_s, "kl": 0.0, "top1": 1.0, "first_div": len(ref.continuation), "answer_agree": 1.0,
+                   "flop_fraction": 1.0, "recall_vs_oracle": 1.0, "phases": {}}
+            results[key] = out
+            continue
+        run = timed(setup, prompt, pol, log, scores=ref.true_dev)
+        [forced] = setup.blender.extend([Extension(run, tuple(ref.continuation[:-1].tolist()),
+                                                   prompt_logits=len(ref.continuation))])
+        out = _quality(ref, forced.prompt_logits)
+        report = run.report
+        out.update(ttft_s=run.ttft_s, flop_fraction=metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
+                   recall_vs_oracle=_recall_vs_oracle(prompt, pol.recompute_ratio, ref, report.recomputed),
+                   phases={"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}})
+        if out["first_div"] < ref.answer_len:
+            div = out["first_div"]
+            answers[key] = Extension(run, tuple(ref.continuation[:div].tolist()), max_new_tokens=budget - div)
+        results[key] = out
+        if detailed and "@" not in key:
+            out.update(_deviations(setup, prompt, pol, ref, config))
+    unique = list({id(ext): ext for ext in answers.values()}.values())
+    generated = dict(zip(map(id, unique), setup.blender.extend(unique)))
+    outputs = {key: generated[id(ext)] for key, ext in answers.items()}
+    for key, out in results.items():
+        if key in outputs:
+            tokens = [*answers[key].feed, *outputs[key].output]
+            out["answer"], _ = answer_text(tok, tokens, setup.stop_ids)
+        else:
+            out["answer"] = ref.answer
+        out.update(gold_scores(example, out["answer"]))
+    return results
 
 
 def train_learned(setup: Setup, config: ml_collections.ConfigDict, sel_cfg: selection.SelectionConfig) -> tuple[tuple[float, ...], dict]:
@@ -263,13 +402,25 @@ def ci_row(name: str, per_prompt: list[dict], nboot: int, seed: int, **extra: ob
         if key in per_prompt[0]:
             mean, lo, hi = metrics.bootstrap_ci([p[key] for p in per_prompt], num=nboot, seed=seed)
             row[key], row[f"{key}_lo"], row[f"{key}_hi"] = mean, lo, hi
-    if "oracle_recall" in per_prompt[0]:
-        row["recall_vs_oracle"] = float(np.mean([p["oracle_recall"] for p in per_prompt]))
+    if "recall_vs_oracle" in per_prompt[0]:
+        row["recall_vs_oracle"] = float(np.mean([p["recall_vs_oracle"] for p in per_prompt]))
     return row
 
 
+def speed_row(per_prompt: list[dict], full: list[dict], nboot: int, seed: int) -> dict:
+    """TTFT against full recompute's on the same prompts: mean and median TTFT, the speedup
+    (full recompute's total TTFT over the policy's, with a bootstrap interval over prompts)
+    and the time fraction (its inverse)."""
+    t = np.asarray([p["ttft_s"] for p in per_prompt])
+    f = np.asarray([p["ttft_s"] for p in full])
+    speedup, lo, hi = metrics.bootstrap_statistic((f, t), lambda a, b: a.mean(axis=-1) / b.mean(axis=-1), num=nboot, seed=seed)
+    return {"ttft_mean_s": float(t.mean()), "ttft_median_s": float(np.median(t)), "speedup": speedup, "speedup_lo": lo,
+            "speedup_hi": hi, "time_fraction": float(t.mean() / f.mean())}
+
+
 def paired_rows(per_policy: dict[str, list[dict]], baseline: str, keys: tuple[str, ...], nboot: int, seed: int) -> list[dict]:
-    """Per-prompt differences policy minus ``baseline`` with paired bootstrap intervals."""
+    """Per-prompt differences policy minus ``baseline`` with paired bootstrap intervals;
+    ``significant``: the interval excludes 0."""
     rows = []
     for name, results in per_policy.items():
         if name == baseline or baseline not in per_policy:
@@ -278,27 +429,91 @@ def paired_rows(per_policy: dict[str, list[dict]], baseline: str, keys: tuple[st
             if key in results[0]:
                 mean, lo, hi = metrics.paired_bootstrap_ci([p[key] for p in results], [p[key] for p in per_policy[baseline]],
                                                            num=nboot, seed=seed)
-                rows.append({"policy": name, "metric": key, f"minus_{baseline}": mean, "lo": lo, "hi": hi})
+                rows.append({"policy": name, "metric": key, "baseline": baseline, "difference": mean, "lo": lo, "hi": hi,
+                             "significant": bool(lo > 0 or hi < 0)})
     return rows
 
 
-def recovery(per_policy: dict[str, list[dict]], nboot: int, seed: int) -> dict:
+def _share(s: np.ndarray, r: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """(selector - full reuse) / (full recompute - full reuse) of the means over the last axis."""
+    gap = f.mean(axis=-1) - r.mean(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(gap != 0, (s.mean(axis=-1) - r.mean(axis=-1)) / gap, np.nan)
+
+
+def recovery(per_policy: dict[str, list[dict]], nboot: int, seed: int, key: str = "gold") -> dict:
     """Gold loss of full reuse against full recompute (paired CI) and the share of it each
-    selector recovers: (selector - full reuse) / (full recompute - full reuse), from means."""
+    selector recovers, (selector - full reuse) / (full recompute - full reuse) of the means,
+    with a bootstrap interval over prompts (NaN where a resample has no loss to recover)."""
     full, reuse = per_policy.get("full_recompute"), per_policy.get("full_reuse")
     if not full or not reuse:
         return {}
-    f = np.asarray([p["gold"] for p in full])
-    r = np.asarray([p["gold"] for p in reuse])
+    f = np.asarray([p[key] for p in full])
+    r = np.asarray([p[key] for p in reuse])
     loss, lo, hi = metrics.paired_bootstrap_ci(r, f, num=nboot, seed=seed)
     shares = {}
     for name, results in per_policy.items():
         if name in ("full_recompute", "full_reuse", "prefix_caching"):
             continue
-        s = np.asarray([p["gold"] for p in results])
-        shares[name] = float((s.mean() - r.mean()) / (f.mean() - r.mean())) if f.mean() != r.mean() else float("nan")
+        s = np.asarray([p[key] for p in results])
+        shares[name] = metrics.bootstrap_statistic((s, r, f), _share, num=nboot, seed=seed)
     return {"reuse_minus_full": loss, "lo": lo, "hi": hi, "recovered_share": shares}
 
 
-__all__ = ["GOLD_KEYS", "Reference", "Setup", "build", "check_disjoint", "ci_row", "controller_table", "evaluate",
-           "paired_rows", "recovery", "reference", "selection_config", "timed", "train_learned", "workload_examples"]
+def ratio_at_quality(ratios: Sequence[float], gold: np.ndarray, reuse: np.ndarray, full: np.ndarray,
+                     target: float = 0.99) -> np.ndarray:
+    """Smallest recompute ratio whose mean gold reaches ``target`` x full recompute's, on the
+    piecewise-linear curve through (0, full reuse), the sweep's (ratio, mean) points and
+    (1, full recompute). Vectorized over leading axes (bootstrap resamples).
+
+    Args:
+      ratios: [R] increasing sweep ratios in (0, 1).
+      gold: [..., R, P] gold per ratio and prompt; reuse, full: [..., P].
+
+    Returns:
+      [...] ratios (1.0 when only full recompute reaches the target).
+    """
+    x = np.asarray([0.0, *ratios, 1.0])
+    y = np.concatenate([reuse.mean(-1)[..., None], gold.mean(-1), full.mean(-1)[..., None]], axis=-1)  # [..., R + 2]
+    goal = target * full.mean(-1)[..., None]
+    reached = y >= goal - 1e-12
+    first = np.argmax(reached, axis=-1)  # the last point always reaches it when the target is <= 1
+    prev = np.maximum(first - 1, 0)
+    take = lambda a, i: np.take_along_axis(a, i[..., None], axis=-1)[..., 0]  # noqa: E731
+    y0, y1, g = take(y, prev), take(y, first), goal[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = np.where(y1 > y0, (g - y0) / (y1 - y0), 1.0)
+    return np.where(first == 0, 0.0, x[prev] + np.clip(frac, 0, 1) * (x[first] - x[prev]))
+
+
+def budget_rows(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str, list[dict]], nboot: int, seed: int,
+                target: float = 0.99) -> list[dict]:
+    """Per swept selector: the smallest ratio reaching ``target`` x full recompute's gold
+    (``ratio_at_quality``, bootstrap interval over the sweep's prompts) and the TTFT there
+    (interpolated on the sweep's mean TTFTs, full reuse at 0 and full recompute at 1)."""
+    if "full_reuse" not in per_policy:
+        return []
+    rows = []
+    for name in dict.fromkeys(n for n, _ in sweep):
+        ratios = sorted(r for n, r in sweep if n == name and sweep[(n, r)])
+        if not ratios:
+            continue
+        p = len(sweep[(name, ratios[0])])
+        gold = np.asarray([[q["gold"] for q in sweep[(name, r)]] for r in ratios])  # [R, P]
+        reuse = np.asarray([q["gold"] for q in per_policy["full_reuse"][:p]])
+        full = np.asarray([q["gold"] for q in per_policy["full_recompute"][:p]])
+        ratio = float(ratio_at_quality(ratios, gold, reuse, full, target))
+        idx = np.random.default_rng(seed).integers(0, p, (nboot, p))
+        boot = ratio_at_quality(ratios, gold[:, idx].transpose(1, 0, 2), reuse[idx], full[idx], target)
+        ttft = [np.mean([q["ttft_s"] for q in per_policy["full_reuse"][:p]]),
+                *[np.mean([q["ttft_s"] for q in sweep[(name, r)]]) for r in ratios],
+                np.mean([q["ttft_s"] for q in per_policy["full_recompute"][:p]])]
+        lo, hi = np.quantile(boot, [0.025, 0.975])
+        rows.append({"policy": name, "ratio_at_99": ratio, "lo": float(lo), "hi": float(hi), "prompts": p,
+                     "ttft_s_at_ratio": float(np.interp(ratio, [0.0, *ratios, 1.0], ttft))})
+    return rows
+
+
+__all__ = ["GOLD_KEYS", "Reference", "Setup", "TimingLog", "budget_rows", "build", "check_disjoint", "ci_row",
+           "controller_table", "evaluate_prompt", "paired_rows", "ratio_at_quality", "recovery", "reference",
+           "selection_config", "speed_row", "split_long_chunks", "timed", "train_learned", "workload_examples"]

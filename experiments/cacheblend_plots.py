@@ -9,6 +9,8 @@ drawn as bands (curves) or whiskers (points).
   deviation_concentration.png    how much of the deviation the top tokens hold
   adjacent_layer_correlation.png whether a check layer predicts the next layers
   kv_deviation_by_layer.png      deviation left in reused vs recomputed tokens
+  pareto_ttft.png, pareto_flops.png  gold score against mean TTFT / FLOP fraction, one point per
+                                 policy and swept ratio, full recompute and full reuse the two ends
 """
 
 from __future__ import annotations
@@ -117,4 +119,26 @@ def deviation_by_layer(path: pathlib.Path, per_policy: dict[str, list[dict]], na
                     label=f"{name}: recomputed")
     ax.set(xlabel="layer", ylabel="relative KV deviation", yscale="log")
     ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def pareto(path: pathlib.Path, rows: list[dict], sweep_rows: list[dict], cost: str, label: str) -> None:
+    """Gold score (mean over prompts) against ``cost`` per policy at the run's ratio (labelled
+    points) and per selector along its swept ratios (lines), the Pareto front dashed."""
+    fig, ax = plt.subplots(figsize=_SIZE)
+    for name in dict.fromkeys(r["policy"] for r in sweep_rows):
+        line = sorted((r for r in sweep_rows if r["policy"] == name), key=lambda r: r["ratio"])
+        ax.plot([r[cost] for r in line], [r["gold"] for r in line], marker=".", lw=0.8, label=name)
+    for r in rows:
+        ax.scatter(r[cost], r["gold"], color="black", s=12, zorder=3)
+        ax.annotate(r["policy"], (r[cost], r["gold"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    points = sorted((r[cost], r["gold"]) for r in [*rows, *sweep_rows])
+    front, best = [], -np.inf
+    for x, y in points:
+        if y > best:
+            front.append((x, y))
+            best = y
+    ax.plot(*zip(*front), "--", color="gray", lw=0.8, label="Pareto front")
+    ax.set(xlabel=label, ylabel="gold score (mean over prompts)")
+    ax.legend(fontsize=6, ncol=2)
     _save(fig, path)

@@ -1,13 +1,17 @@
-"""Timing helpers shared by the benchmarks: medians after warm-up, and the machine's own
-limits (matmul rate, copy bandwidth) that every speed row is read against."""
+"""Timing helpers shared by the benchmarks: medians after warm-up, the machine's own limits
+(matmul rate, copy bandwidth) that every speed row is read against, and the count of JAX
+compilations, so that no timed figure includes one."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import jax
+import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,3 +60,63 @@ def decode_step_seconds(engine: Engine, prompts: Sequence[Sequence[int]], sampli
         engine.step()
         steps += 1
     return (time.perf_counter() - start) / steps
+
+
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+"""JAX's duration events of one compilation: tracing to a jaxpr, lowering, and the backend's
+compile (absent when the persistent compilation cache serves the executable)."""
+
+
+@dataclasses.dataclass
+class Compilations:
+    """Compilations seen since the process registered ``compile_counter()``.
+
+    Attributes:
+      programs: programs traced (one ``jaxpr_trace_duration`` event each).
+      backend_compiles: backend compiles (the rest came from the compilation cache).
+      seconds: seconds of tracing, lowering and backend compiles together.
+    """
+
+    programs: int = 0
+    backend_compiles: int = 0
+    seconds: float = 0.0
+
+    def since(self, earlier: Compilations) -> Compilations:
+        """The compilations between ``earlier`` (a copy) and now."""
+        return Compilations(self.programs - earlier.programs, self.backend_compiles - earlier.backend_compiles,
+                            self.seconds - earlier.seconds)
+
+
+_COUNTER: Compilations | None = None
+_LOCK = threading.Lock()
+
+
+def compile_counter() -> Compilations:
+    """The process-wide compilation counter (a listener on JAX's monitoring events, registered
+    on first call). Copy it (``dataclasses.replace``) before a region and call ``since``
+    after it to count that region's compilations."""
+    global _COUNTER
+    with _LOCK:
+        if _COUNTER is None:
+            counter = _COUNTER = Compilations()
+
+            def listen(event: str, duration: float, **_: object) -> None:
+                if event in COMPILE_EVENTS:
+                    counter.seconds += duration
+                    counter.programs += event == COMPILE_EVENTS[0]
+                    counter.backend_compiles += event == COMPILE_EVENTS[2]
+
+            jax.monitoring.register_event_duration_secs_listener(listen)
+        return _COUNTER
+
+
+def compilations_during(fn: Callable[[], object]) -> tuple[object, Compilations]:
+    """``fn()``'s result and the compilations that happened while it ran."""
+    counter = compile_counter()
+    before = dataclasses.replace(counter)
+    result = fn()
+    return result, counter.since(before)

@@ -180,7 +180,9 @@ class RequestRecord:
       logits: each generated position's logits [V] when ``sampling.return_logits``.
       submit_time, first_token_time, finish_time: ``time.perf_counter()`` seconds.
       chunks: the stored chunks a blended request reuses (None = ordinary request).
-      prompt_logits: a blended request's last prompt positions' logits [chunks.num_prompt_logits, V].
+      prompt_logits: the last prompt positions' logits [R, V]: a blended request's
+        (R = chunks.num_prompt_logits), or an ordinary one's computed rows among its last
+        ``sampling.prompt_logits`` positions.
       blend_trace, blend_report: a blended request's fusor trace and reuse report.
     """
 
@@ -212,7 +214,8 @@ class RequestOutput:
       latency_s: seconds from submission to the last token.
       logits: per generated token, [V] float32 (only with ``return_logits``).
       error: the exception that finished the request, as "Type: message".
-      prompt_logits: a blended request's last prompt positions' logits [R, V] (else None).
+      prompt_logits: the last prompt positions' logits [R, V]: a blended request's, or an
+        ordinary request's computed rows among its last ``sampling.prompt_logits`` (else None).
       blend_report: a blended request's reuse report (else None).
     """
 
@@ -466,6 +469,7 @@ class Engine:
                 record = self.requests[rid]
                 record.num_preemptions += 1
                 record.logits.clear()
+                record.prompt_logits = None if record.chunks is None else record.prompt_logits
                 record.first_token_time = None
                 self._end_state(rid, finished=False)  # resumed later from a snapshot, or recomputed
             self._execute_page_ops()
@@ -614,6 +618,21 @@ class Engine:
                 )
             return _to_output(request_id, record)
 
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """A finished request's final output; the engine forgets the request (its logits,
+        trace and report are freed, its id may be reused). Its cached blocks stay cached.
+
+        Raises:
+          KeyError: the id is unknown (never submitted, or already forgotten).
+          ValueError: the request has not finished (``abort`` it first to drop it early).
+        """
+        with self.lock:
+            output = self.output(request_id)
+            if not self.requests[request_id].finished:
+                raise ValueError(f"request_id={request_id!r} has not finished; pop_output takes finished requests only")
+            self._release_id(request_id)
+            return output
+
     # ------------------------------------------------------------------ execution
 
     def _execute_page_ops(self) -> None:
@@ -674,12 +693,16 @@ class Engine:
         width = table_width(self.layout.pages_for(int(lengths.max())))
         tables = self._block_tables(works, rows, width)
         samples = any(w.samples for w in works)
+        keeps = phase == "prefill" and any(self.requests[w.request_id].sampling.prompt_logits for w in works)
         slots = None if self.state_snapshots is None else self._state_slots(works, rows)
         logits, self.pool, *state = forward(
             self.model.params, self.pool, jnp.asarray(tokens), jnp.asarray(positions), tables, jnp.asarray(lengths),
-            cfg=self.model.config, layout=self.layout, logits_mode="last" if samples else "none", attn_impl=self.attn_impl,
+            cfg=self.model.config, layout=self.layout, attn_impl=self.attn_impl,
+            logits_mode="all" if keeps else "last" if samples else "none",
             state=None if slots is None else read_slots(self.state_pool, slots),
         )
+        if keeps:
+            logits = self._keep_prompt_logits(works, logits)
         if slots is not None:
             self.state_pool = write_slots(self.state_pool, slots, state[0])
             self._take_snapshots(works)
@@ -689,6 +712,21 @@ class Engine:
         self.timings[f"{phase}_tokens"] += sum(len(w.token_ids) for w in works)
         self.timings[f"{phase}_steps"] += 1
         return sampled
+
+    def _keep_prompt_logits(self, works: Sequence[ScheduledRequest], logits: jax.Array) -> jax.Array:
+        """Appends each prefill chunk's rows among its request's last ``sampling.prompt_logits``
+        prompt positions to ``record.prompt_logits``; returns the logits [S, V] of each row's
+        last token (what sampling reads) from the chunk's logits [S, T, V]."""
+        host = np.asarray(logits)
+        for i, w in enumerate(works):
+            record = self.requests[w.request_id]
+            first = len(record.sched.prompt_token_ids) - record.sampling.prompt_logits  # first kept position
+            rows = host[i, max(0, first - w.start) : len(w.token_ids)]
+            if record.sampling.prompt_logits and len(rows):
+                kept = record.prompt_logits
+                record.prompt_logits = rows.copy() if kept is None else np.concatenate([kept, rows])
+        last = np.asarray([max(len(w.token_ids) - 1, 0) for w in works] + [0] * (host.shape[0] - len(works)))
+        return jnp.asarray(host[np.arange(host.shape[0]), last])
 
     def _draft_rows(self, works: Sequence[ScheduledRequest]) -> tuple[list[DraftRow], list[int]]:
         """Takes each decode's draft slots (free pages only, after the scheduler's allocations)

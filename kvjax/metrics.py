@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -194,6 +194,32 @@ def bootstrap_ci(values: Sequence[float] | np.ndarray, *, num: int = 2000, level
     means = x[rng.integers(0, len(x), (num, len(x)))].mean(axis=1)
     lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(x.mean()), float(lo), float(hi)
+
+
+def bootstrap_statistic(columns: Sequence[np.ndarray], statistic: Callable[..., np.ndarray], *, num: int = 2000,
+                        level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """(value, low, high) of ``statistic`` over paired per-prompt columns, resampling prompts.
+
+    Args:
+      columns: arrays [P] over the same prompts in the same order.
+      statistic: maps the columns, each [..., P], to [...] (vectorized over resamples), e.g.
+        a ratio of means ``lambda a, b: a.mean(-1) / b.mean(-1)``.
+
+    NaN resamples (a statistic undefined there) are left out of the interval.
+    """
+    cols = [np.asarray(c, np.float64) for c in columns]
+    if len({c.shape for c in cols}) != 1:
+        raise ValueError(f"paired columns need the same prompts: shapes {[c.shape for c in cols]}")
+    if cols[0].size == 0:
+        return float("nan"), float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, len(cols[0]), (num, len(cols[0])))
+    values = np.asarray(statistic(*(c[idx] for c in cols)), np.float64)
+    values = values[np.isfinite(values)]
+    value = float(statistic(*cols))
+    if not len(values):
+        return value, float("nan"), float("nan")
+    lo, hi = np.quantile(values, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return value, float(lo), float(hi)
 
 
 def paired_bootstrap_ci(values: Sequence[float] | np.ndarray, baseline: Sequence[float] | np.ndarray, *, num: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:

@@ -25,6 +25,11 @@ class SamplingParams:
       stop_token_id: the token that ends generation; None = the model's EOS.
       ignore_eos: generate exactly max_new_tokens.
       return_logits: keep each generated position's logits [V] (float32) on the host.
+      prompt_logits: keep the logits [V] (float32) of the last this many prompt positions
+        that the request's prefill computes (vLLM's ``prompt_logprobs``, as logits): positions
+        served from the cache are not computed and have none (teacher forcing: submit the
+        fed tokens behind a cached prompt). 0 = none. A blended request's prompt logits come
+        from ``chunks.num_prompt_logits`` instead.
     """
 
     max_new_tokens: int = 64
@@ -34,6 +39,7 @@ class SamplingParams:
     stop_token_id: int | None = None
     ignore_eos: bool = False
     return_logits: bool = False
+    prompt_logits: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -46,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed!r} must be an int in [0, {MAX_SEED}] (an int32 key)")
         if self.stop_token_id is not None and not (_is_int(self.stop_token_id) and self.stop_token_id >= 0):
             raise ValueError(f"stop_token_id={self.stop_token_id!r} must be None (the model's EOS) or a token id >= 0")
+        if not _is_int(self.prompt_logits) or self.prompt_logits < 0:
+            raise ValueError(f"prompt_logits={self.prompt_logits!r} must be an int >= 0 (0 = none)")
         for name in ("ignore_eos", "return_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")

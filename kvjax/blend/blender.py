@@ -10,6 +10,11 @@ recomputed in every layer over the policy's fused KV, so their logits equal a fo
 the request's pages after the policy's prefill (chunk-token selection does not depend on
 them, and attention is causal).
 
+A run's KV stays in the engine's tree under its scope (``PolicyRun.scope``), so requests that
+continue it (``extend``: teacher forcing along a reference, a greedy answer) are ordinary
+requests under that scope: they reuse the run's pages for the whole prompt but its last
+partial block and compute only what follows, and many of them decode together.
+
 Prompt layout (``BlendPrompt``)::
 
     | prefix (exact) | chunk 0 | ... | chunk n-1 | suffix |
@@ -31,6 +36,7 @@ from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import BlendReport, ChunkReuse
 from kvjax.blend.selection import SCHEDULE_SELECTORS, Roles, SelectionConfig, schedule
 from kvjax.config import KvCacheRetentionConfig
+from kvjax.engine import RequestOutput
 from kvjax.manager.hashing import check_token_ids
 from kvjax.sampling import SamplingParams
 
@@ -108,6 +114,8 @@ class PolicyRun:
       ttft_s: submission to first token, seconds.
       trace: the fusor trace (``attn``, ``recomputed``, ``k``, ``v``) or None.
       report: the blended prefill's reuse report, or None (full recompute).
+      scope: the cache scope the run's KV was committed under (``extend`` continues it).
+      prompt: the run's prompt.
       qkv_checks: check layers of a deviation schedule.
     """
 
@@ -116,7 +124,27 @@ class PolicyRun:
     ttft_s: float
     trace: dict | None
     report: BlendReport | None
+    scope: str
+    prompt: BlendPrompt
     qkv_checks: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Extension:
+    """A request that continues a run's KV: the run's prompt, then ``feed``, under its scope.
+
+    Attributes:
+      run: the run whose committed KV serves the prompt.
+      feed: tokens behind the prompt (computed over the run's KV).
+      max_new_tokens: greedy tokens generated after them.
+      prompt_logits: logits kept for this many last positions of prompt + feed (teacher
+        forcing: ``len(feed) + 1`` gives the logits after the prompt and after every fed token).
+    """
+
+    run: PolicyRun
+    feed: tuple[int, ...] = ()
+    max_new_tokens: int = 1
+    prompt_logits: int = 0
 
 
 class Blender:
@@ -182,16 +210,53 @@ class Blender:
                 scope=scope, token_bucket=self.token_bucket,
             )
             rid = self.engine.submit(tokens, sampling, chunks=reuse, retention=EVALUATION_RETENTION)
+            scope = reuse.salt
         record = self.engine.requests[rid]
         while not record.finished:
             self.engine.step()
-        if record.error is not None:
-            raise RuntimeError(f"policy {policy!r} failed in request {rid!r}: {record.error}")
-        out = self.engine.output(rid)
+        trace, out = record.blend_trace, self.engine.pop_output(rid)
+        if out.error is not None:
+            raise RuntimeError(f"policy {policy!r} failed in request {rid!r}: {out.error}")
         logits = np.stack(out.logits) if out.prompt_logits is None else np.concatenate([out.prompt_logits, *(x[None] for x in out.logits[1:])])
         checks = schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
-        return PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=record.blend_trace,
-                         report=out.blend_report, qkv_checks=checks)
+        return PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=trace,
+                         report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks)
+
+    def extend(self, extensions: Sequence[Extension]) -> list[RequestOutput]:
+        """Runs the extensions together (their decodes batch) and returns their outputs.
+
+        Each is an ordinary request of ``run.prompt + feed`` under ``run.scope``, so the run's
+        committed blocks serve its prompt; only the tokens from the last full block of the
+        prompt on are computed, over the run's KV.
+
+        Raises:
+          RuntimeError: an extension failed, or recomputed chunk tokens because the run's
+            blocks were evicted or its suffix is shorter than the prompt's last partial block
+            (then its result would mix in exact KV); the message says which.
+        """
+        vocab = self.engine.model.config.vocab_size
+        pending = []
+        for i, ext in enumerate(extensions):
+            feed = check_token_ids(ext.feed, f"extensions[{i}].feed", vocab)
+            self.check_prompt(ext.run.prompt, len(feed) + ext.max_new_tokens)
+            sampling = SamplingParams(max_new_tokens=ext.max_new_tokens, ignore_eos=True, prompt_logits=ext.prompt_logits)
+            tokens = [*ext.run.prompt.tokens.tolist(), *feed]
+            pending.append(self.engine.submit(tokens, sampling, cache_salt=ext.run.scope, retention=EVALUATION_RETENTION))
+        while not all(self.engine.requests[rid].finished for rid in pending):
+            self.engine.step()
+        outputs = [self.engine.pop_output(rid) for rid in pending]
+        for ext, out in zip(extensions, outputs):
+            needed = ext.run.prompt.roles.suffix_start
+            if out.error is not None:
+                raise RuntimeError(f"extension request {out.request_id!r} failed: {out.error}")
+            if out.num_reused_tokens < needed:
+                raise RuntimeError(
+                    f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens of its run's KV but the "
+                    f"prompt's chunks end at token {needed} ({ext.run.prompt.describe()}): the run's blocks were evicted "
+                    f"(raise the cache size) or the suffix is shorter than a block (tokens_per_block="
+                    f"{self.engine.layout.tokens_per_block})"
+                )
+        return outputs
 
     def exact_prefix_len(self, prompt: BlendPrompt) -> int:
         """Tokens whose stored KV is exact: the prefix, plus chunk 0 when it was stored behind it."""
@@ -201,4 +266,4 @@ class Blender:
         return exact
 
 
-__all__ = ["BlendPrompt", "Blender", "EVALUATION_RETENTION", "FULL_RECOMPUTE", "PolicyRun"]
+__all__ = ["BlendPrompt", "Blender", "EVALUATION_RETENTION", "Extension", "FULL_RECOMPUTE", "PolicyRun"]

@@ -184,11 +184,12 @@ class ChunkStore:
             self.stored_tokens(tokens), SamplingParams(max_new_tokens=1, ignore_eos=True),
             retention=self.retention, cache_salt=self.salt, request_id=f"{self.salt}/store-{next(self._ids)}",
         )
-        record = self.engine.requests[rid]  # stays in the engine's bounded history of finished requests
+        record = self.engine.requests[rid]
         while not record.finished:
             self.engine.step()
-        if record.error is not None:
-            raise RuntimeError(f"storing a chunk of {len(tokens)} tokens failed in request {rid!r}: {record.error}")
+        error = self.engine.pop_output(rid).error  # the engine forgets it: only its blocks stay
+        if error is not None:
+            raise RuntimeError(f"storing a chunk of {len(tokens)} tokens failed in request {rid!r}: {error}")
         self.stats.computed += 1
         return len(tokens)
 

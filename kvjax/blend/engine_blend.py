@@ -56,7 +56,6 @@ from kvjax.engine import Engine, table_width
 from kvjax.manager.hashing import InternalScope
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ChunkReuse:
     """Which prompt tokens are stored chunks, and how their blended prefill recomputes.
@@ -151,6 +150,7 @@ class BlendReport:
       load_s: seconds to look up and gather the reused KV (and build the inputs).
       phases: seconds of the fusor's phases (``fusor.blend_prefill``): "reposition",
         "check_layers", "row_layers", "logits_write".
+      recomputed: [L, T] bool, the prompt tokens each layer recomputed (T = prompt tokens).
     """
 
     num_cached: int
@@ -161,6 +161,7 @@ class BlendReport:
     onboarded_pages: int
     load_s: float
     phases: dict[str, float]
+    recomputed: np.ndarray
 
 
 def blended_prefill(
@@ -264,7 +265,7 @@ def blended_prefill(
                                num_logits=reuse.num_prompt_logits)
         load_s = time.perf_counter() - t0
         phases: dict[str, float] = {}
-        logits, engine.pool, trace = blend_prefill(
+        logits, engine.pool, recomputed, trace = blend_prefill(
             engine.model.params, engine.pool, inputs, cfg=cfg, layout=engine.layout, plan=blend_plan,
             attn_impl=engine.attn_impl, phases=phases,
         )
@@ -277,7 +278,7 @@ def blended_prefill(
     report = BlendReport(
         num_cached=num_cached, prefix_hit=prefix_hit, chunk_hit=chunk_hit, num_forced=int(forced_mask.sum()),
         num_missed=int(missed.sum()), onboarded_pages=store.stats.onboarded_pages - onboarded,
-        load_s=load_s, phases=phases,
+        load_s=load_s, phases=phases, recomputed=np.asarray(recomputed)[:, :n],
     )
     return logits, trace, report
 

@@ -251,12 +251,16 @@ def last_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, po
     return jax.vmap(lambda x: transformer.logits_of(params, cfg, x))(rows.x[top[::-1]])
 
 
-def _trace(inputs: BlendInputs, rows: RowState, out: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Attention output [P, H*d] at the probe positions and the recomputed mask [T] of one layer."""
+def _recomputed(inputs: BlendInputs, rows: RowState) -> jax.Array:
+    """[T] bool: the tokens one layer recomputed."""
+    return jnp.zeros(inputs.tokens.shape[0], bool).at[rows.idx].max(rows.valid)
+
+
+def _probe_attention(inputs: BlendInputs, rows: RowState, out: jax.Array) -> jax.Array:
+    """Attention output [P, H*d] of one layer at the probe positions (zeros where not recomputed)."""
     row_pos = jnp.where(rows.valid, inputs.positions[rows.idx], -1)  # [M]
     match = (inputs.probes[:, None] == row_pos[None, :]) & (inputs.probes[:, None] >= 0)  # [P, M]
-    attn = match.astype(out.dtype) @ out.reshape(out.shape[0], -1)  # [P, H*d]
-    return attn, jnp.zeros(inputs.tokens.shape[0], bool).at[rows.idx].max(rows.valid)
+    return match.astype(out.dtype) @ out.reshape(out.shape[0], -1)  # [P, H*d]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "checks", "score", "num_probes", "attn_impl"))
@@ -278,12 +282,13 @@ def _check_phase(
     ``seq_k``/``seq_v`` hold the reused KV of exactly these layers.
 
     Returns:
-      (rows, seq_k, seq_v, per-layer traces, features [T, len(FEATURES)] of every token at
-      the first check layer, ``selection.check_features``; zeros unless ``num_probes``).
+      (rows, seq_k, seq_v, per-layer recomputed masks [T], per-layer probe attention [P, H*d]
+      (empty unless ``num_probes``), features [T, len(FEATURES)] of every token at the first
+      check layer, ``selection.check_features``; zeros unless ``num_probes``).
     """
     check_at = {layer: (i, capacity) for i, (layer, capacity) in enumerate(checks)}
     rows = initial_rows(params, cfg, inputs)
-    seq_k, seq_v, traces = list(seq_k), list(seq_v), []
+    seq_k, seq_v, masks, probes = list(seq_k), list(seq_v), [], []
     t = inputs.tokens.shape[0]
     features = jnp.zeros((t, len(FEATURES)), jnp.float32)
     for layer in range(len(seq_k)):
@@ -302,9 +307,10 @@ def _check_phase(
         rows, seq_k[layer], seq_v[layer], out = blend_layer(
             params.layers[layer], cfg, layout, layer, rows, seq_k[layer], seq_v[layer], inputs, check, score, attn_impl,
         )
+        masks.append(_recomputed(inputs, rows))
         if num_probes:
-            traces.append(_trace(inputs, rows, out))
-    return rows, tuple(seq_k), tuple(seq_v), traces, features
+            probes.append(_probe_attention(inputs, rows, out))
+    return rows, tuple(seq_k), tuple(seq_v), masks, probes, features
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "layer", "num_probes", "attn_impl"))
@@ -327,10 +333,10 @@ def layer_step(
     with the same pair (see ``representative_layer``).
 
     Returns:
-      (rows, seq_k, seq_v, (attn [P, H*d], recomputed [T]) or None).
+      (rows, seq_k, seq_v, recomputed [T] bool, probe attention [P, H*d] or None).
     """
     rows, seq_k, seq_v, out = blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, CheckScore(), attn_impl)
-    return rows, seq_k, seq_v, (_trace(inputs, rows, out) if num_probes else None)
+    return rows, seq_k, seq_v, _recomputed(inputs, rows), (_probe_attention(inputs, rows, out) if num_probes else None)
 
 
 def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
@@ -383,11 +389,12 @@ def blend_prefill(
         "row_layers", "logits_write"), waiting for each to finish before the next starts.
 
     Returns:
-      (logits [plan.num_logits, V] float32 of the last prompt tokens, the pool, trace or None).
-      With ``plan.num_probes > 0`` the trace holds ``attn`` [L, P, H*d] (attention output of
-      the probe positions, zeros where a probe was not recomputed), ``recomputed`` [L, T] bool,
-      the fused KV ``k``, ``v`` [L, T, K, d] of the sequence and the ``features`` [T, F] of
-      every token at the first check layer (zeros without checks).
+      (logits [plan.num_logits, V] float32 of the last prompt tokens, the pool, recomputed
+      [L, T] bool (the rows each layer computed), trace or None). With ``plan.num_probes > 0``
+      the trace holds ``attn`` [L, P, H*d] (attention output of the probe positions, zeros
+      where a probe was not recomputed), ``recomputed``, the fused KV ``k``, ``v`` [L, T, K, d]
+      of the sequence and the ``features`` [T, F] of every token at the first check layer
+      (zeros without checks).
     """
     if inputs.tokens.shape[0] % layout.tokens_per_block:
         raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of tokens_per_block={layout.tokens_per_block}")
@@ -398,27 +405,29 @@ def blend_prefill(
     first = plan.checks[-1][0] + 1 if plan.checks else 0
     options = dict(cfg=cfg, layout=layout, num_probes=plan.num_probes, attn_impl=attn_impl)
     if first:
-        rows, head_k, head_v, traces, features = _check_phase(
+        rows, head_k, head_v, masks, probes, features = _check_phase(
             params, seq_k[:first], seq_v[:first], inputs, checks=plan.checks, score=plan.score, **options
         )
     else:
-        rows, head_k, head_v, traces = initial_rows_jit(params, cfg=cfg, inputs=inputs), (), (), []
+        rows, head_k, head_v, masks, probes = initial_rows_jit(params, cfg=cfg, inputs=inputs), (), (), [], []
         features = jnp.zeros((inputs.tokens.shape[0], len(FEATURES)), jnp.float32)
     clock.lap("check_layers", rows.x)
     seq_k, seq_v = list(head_k) + list(seq_k[first:]), list(head_v) + list(seq_v[first:])
     for layer in range(first, cfg.num_layers):
-        rows, seq_k[layer], seq_v[layer], trace = layer_step(
+        rows, seq_k[layer], seq_v[layer], mask, attn = layer_step(
             params.layers[layer], rows, seq_k[layer], seq_v[layer], inputs,
             layer=representative_layer(cfg, layout, layer), **options,
         )
-        if trace is not None:
-            traces.append(trace)
+        masks.append(mask)
+        if attn is not None:
+            probes.append(attn)
     clock.lap("row_layers", rows.x)
     logits = last_logits_jit(params, cfg=cfg, rows=rows, positions=inputs.positions, num=plan.num_logits)
     pool = write_fused(pool, tuple(seq_k), tuple(seq_v), inputs, layout=layout)
     clock.lap("logits_write", (logits, pool))
+    recomputed = jnp.stack(masks)
     out = None
     if plan.num_probes:
-        out = {"attn": jnp.stack([t[0] for t in traces]), "recomputed": jnp.stack([t[1] for t in traces]),
-               "k": jnp.stack(seq_k), "v": jnp.stack(seq_v), "features": features}
-    return logits, pool, out
+        out = {"attn": jnp.stack(probes), "recomputed": recomputed, "k": jnp.stack(seq_k), "v": jnp.stack(seq_v),
+               "features": features}
+    return logits, pool, recomputed, out
