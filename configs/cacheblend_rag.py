@@ -45,7 +45,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.store = ml_collections.ConfigDict()
     config.store.variant = "system"  # chunk KV computed at: pos0 | bos | system (behind the system prompt)
     config.store.tier = "hbm"  # controller tier the chunks wait in ("auto" ratio): hbm | host | nvme | disk
-    config.store.cache_tokens = 65536  # engine cache size (tokens): chunks, prefixes and evaluation requests
+    config.store.cache_tokens = 32768  # engine cache size (tokens): chunks, prefixes and the runs of the answers decoded together
 
     config.policy = ml_collections.ConfigDict()
     config.policy.recompute_ratio = "0.15"  # share of chunk tokens recomputed (selectors), or "auto": the loading controller
@@ -76,11 +76,11 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.eval.max_answer_tokens = 16  # greedy answer budget (gold scores)
     config.eval.num_probes = 16  # suffix rows traced for attention deviation
     config.eval.detail_prompts = 4  # first prompts with per-layer KV / attention deviation (a traced run per policy)
-    config.eval.decode_batch = 16  # answers decoded together (engine max_batch_size)
+    config.eval.decode_batch = 8  # answers decoded together (engine max_batch_size; their runs stay cached meanwhile)
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
     config.runtime = ml_collections.ConfigDict()
-    config.runtime.tokens_per_block = 32  # tokens per page of the sequence pool
+    config.runtime.tokens_per_block = 16  # tokens per page (a continuation reuses a run up to its last full page: suffixes must cover one)
     config.runtime.token_bucket = 512  # prompt lengths pad to a multiple of this (fewer compiled shapes)
     config.runtime.attn_impl = "auto"  # attention: auto (blocked on CPU) | reference | blocked | interpret
 

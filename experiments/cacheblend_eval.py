@@ -53,6 +53,8 @@ class Setup:
       max_chunk_tokens: the longest chunk the store takes (a windowed layer group keeps a
         stored chunk whole only inside its window); longer chunks were split.
       num_split_chunks: chunks of the evaluation and training prompts split to fit it.
+      num_skipped: evaluation prompts skipped as not ``continuable`` (suffix shorter than the
+        prompt's last partial block).
     """
 
     model: Model
@@ -64,6 +66,7 @@ class Setup:
     train_examples: list[RagExample]  # the learned scorer's training prompts (disjoint)
     max_chunk_tokens: int
     num_split_chunks: int
+    num_skipped: int
 
     @property
     def prompts(self) -> list[BlendPrompt]:
@@ -128,6 +131,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     stop_text = "<|im_end|>" if tok.chat_format == "chatml" else "\n"
     stop_ids = tuple(model.config.eos_ids) + tuple(tok.encode(stop_text, add_bos=False))
     examples = workload_examples(config, tok, split="eval", num=config.num_prompts)
+    examples, num_skipped = _continuable(config, tok, examples)
     needs_training = "learned" in config.policies or "learned" in config.sweep.policies
     train = workload_examples(config, tok, split="train", num=config.learned.train_prompts) if needs_training else []
     check_disjoint(train, examples)
@@ -148,7 +152,27 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     split = [split_long_chunks(e, limit) for e in examples + train]
     examples, train = [e for e, _ in split[: len(examples)]], [e for e, _ in split[len(examples):]]
     return Setup(model, stop_ids, engine, store, Blender(store, token_bucket=bucket), examples, train, limit,
-                 sum(n for _, n in split))
+                 sum(n for _, n in split), num_skipped)
+
+
+def continuable(example: RagExample, tokens_per_block: int) -> bool:
+    """Whether requests continuing a run of ``example`` reuse all of its chunk tokens: a run's
+    blocks serve a continuation up to the prompt's last full block (the manager always leaves
+    the last prompt token to compute), so the suffix must cover the partial block after it."""
+    n = len(example.prefix) + sum(map(len, example.chunks)) + len(example.suffix)
+    return (n - 1) // tokens_per_block * tokens_per_block >= n - len(example.suffix)
+
+
+def _continuable(config: ml_collections.ConfigDict, tokenizer: Tokenizer,
+                 examples: list[RagExample]) -> tuple[list[RagExample], int]:
+    """The first ``num_prompts`` evaluation prompts that are ``continuable`` (drawing more when
+    some are not; the workloads draw prompts in a fixed order) and the number skipped."""
+    ps, num = config.runtime.tokens_per_block, config.num_prompts
+    while sum(continuable(e, ps) for e in examples) < num:
+        missing = num - sum(continuable(e, ps) for e in examples)
+        examples = workload_examples(config, tokenizer, split="eval", num=len(examples) + 2 * missing)
+    kept = [i for i, e in enumerate(examples) if continuable(e, ps)][:num]
+    return [examples[i] for i in kept], kept[-1] + 1 - num
 
 
 def selection_config(config: ml_collections.ConfigDict, ratio: float) -> selection.SelectionConfig:
@@ -305,43 +329,47 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
     n, cfg, tok = prompt.roles.num_tokens, setup.model.config, setup.model.tokenizer
     budget = config.eval.max_answer_tokens
     results: dict[str, dict] = {}
-    answers: dict[str, Extension] = {}
+    pending: dict[str, Extension] = {}  # greedy answers to decode, decoded together while the runs' KV is cached
+
+    def decode_answers() -> None:
+        unique = list({id(ext): ext for ext in pending.values()}.values())
+        generated = dict(zip(map(id, unique), setup.blender.extend(unique)))
+        for key, ext in pending.items():
+            results[key]["answer"], _ = answer_text(tok, [*ext.feed, *generated[id(ext)].output], setup.stop_ids)
+        pending.clear()
+
+    traced: list[tuple[str, selection.SelectionConfig]] = []
     done: dict[selection.SelectionConfig | str, str] = {}  # a sweep point at the run's ratio is the policy's own run
     for key, name, pol in runs:
         if pol in done:
-            results[key] = dict(results[done[pol]])
-            if done[pol] in answers:
-                answers[key] = answers[done[pol]]
+            results[key] = results[done[pol]]
             continue
         done[pol] = key
         if pol == FULL_RECOMPUTE:
-            out = {"ttft_s": ref.run.ttft_s, "kl": 0.0, "top1": 1.0, "first_div": len(ref.continuation), "answer_agree": 1.0,
-                   "flop_fraction": 1.0, "recall_vs_oracle": 1.0, "phases": {}}
-            results[key] = out
+            results[key] = {"ttft_s": ref.run.ttft_s, "kl": 0.0, "top1": 1.0, "first_div": len(ref.continuation),
+                            "answer_agree": 1.0, "flop_fraction": 1.0, "recall_vs_oracle": 1.0, "phases": {},
+                            "answer": ref.answer}
             continue
         run = timed(setup, prompt, pol, log, scores=ref.true_dev)
         [forced] = setup.blender.extend([Extension(run, tuple(ref.continuation[:-1].tolist()),
                                                    prompt_logits=len(ref.continuation))])
-        out = _quality(ref, forced.prompt_logits)
+        out = results[key] = _quality(ref, forced.prompt_logits)
         report = run.report
         out.update(ttft_s=run.ttft_s, flop_fraction=metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
                    recall_vs_oracle=_recall_vs_oracle(prompt, pol.recompute_ratio, ref, report.recomputed),
-                   phases={"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}})
+                   phases={"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}}, answer=ref.answer)
         if out["first_div"] < ref.answer_len:
             div = out["first_div"]
-            answers[key] = Extension(run, tuple(ref.continuation[:div].tolist()), max_new_tokens=budget - div)
-        results[key] = out
+            pending[key] = Extension(run, tuple(ref.continuation[:div].tolist()), max_new_tokens=budget - div)
         if detailed and "@" not in key:
-            out.update(_deviations(setup, prompt, pol, ref, config))
-    unique = list({id(ext): ext for ext in answers.values()}.values())
-    generated = dict(zip(map(id, unique), setup.blender.extend(unique)))
-    outputs = {key: generated[id(ext)] for key, ext in answers.items()}
-    for key, out in results.items():
-        if key in outputs:
-            tokens = [*answers[key].feed, *outputs[key].output]
-            out["answer"], _ = answer_text(tok, tokens, setup.stop_ids)
-        else:
-            out["answer"] = ref.answer
+            traced.append((key, pol))
+        if len(pending) >= config.eval.decode_batch:
+            decode_answers()
+    decode_answers()
+    for key, pol in traced:  # after the answers: their runs' blocks are the oldest in the cache
+        results[key].update(_deviations(setup, prompt, pol, ref, config))
+    results = {key: dict(out) for key, out in results.items()}  # sweep points at the run's ratio get their own copy
+    for out in results.values():
         out.update(gold_scores(example, out["answer"]))
     return results
 

@@ -110,8 +110,8 @@ def deviation_by_layer(path: pathlib.Path, per_policy: dict[str, list[dict]], na
     """Mean deviation from full recompute per layer, of reused and of recomputed tokens."""
     fig, ax = plt.subplots(figsize=_SIZE)
     for name in names:
-        results = per_policy.get(name)
-        if not results or "dev_selected" not in results[0]:
+        results = [p for p in per_policy.get(name, []) if "dev_selected" in p]  # the detailed prompts
+        if not results:
             continue
         (line,) = ax.plot(np.nanmean([p["dev_unselected"] for p in results], axis=0), label=f"{name}: reused tokens")
         if name != "full_reuse":

@@ -134,6 +134,9 @@ def write(
     split_note = (f" {setup.num_split_chunks} chunks longer than {setup.max_chunk_tokens} tokens (the longest a chunk "
                   "may be to stay whole in the smallest attention window) were split into pieces stored alone."
                   if setup.num_split_chunks else "")
+    if setup.num_skipped:
+        split_note += (f" {setup.num_skipped} drawn prompts were skipped: their suffix is shorter than their last "
+                       f"partial page ({config.runtime.tokens_per_block} tokens), so a continuation would recompute chunk tokens.")
     head = "(no full reuse / full recompute pair)\n"
     if headline:
         shares = ", ".join(f"{k} {v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]" for k, v in headline["recovered_share"].items())
@@ -176,7 +179,7 @@ def write(
         ("Learned selector", learned_text),
         ("Deviation structure", f"share of KV deviation held by the top 15% tokens, mean over layers: "
                                 f"{np.mean(dev_stats['top15_share_by_layer']):.3f}; adjacent-layer Spearman, mean: "
-                                f"{np.mean(dev_stats['adjacent_spearman_by_layer']):.3f}.\n"),
+                                f"{np.nanmean(dev_stats['adjacent_spearman_by_layer']):.3f}.\n"),
         ("Loading controller", report.markdown_table(tier_rows)
          + f"\nchosen at the min ratio: {dataclasses.asdict(controller.decide(int(n_mean)))}\n"),
         ("Figures", ", ".join(sorted(p.name for p in workdir.glob("*.png"))) + "\n"),
@@ -188,5 +191,5 @@ def write(
         "fixed_cost_ms": fixed, "fixed_fraction": fixed_fraction, "time": {**times, "prompts_per_hour": per_hour},
         "timing": {**dataclasses.asdict(log), "compile_s": compiled.seconds, "programs": compiled.programs,
                    "backend_compiles": compiled.backend_compiles},
-        "num_split_chunks": setup.num_split_chunks, "num_prompts": len(records), "run_seconds": elapsed,
+        "num_split_chunks": setup.num_split_chunks, "num_skipped": setup.num_skipped, "num_prompts": len(records), "run_seconds": elapsed,
     }
