@@ -28,7 +28,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m (windowed layer groups; chunks must fit the 512-token window)
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
     config.seed = 0  # workload, random selection, scorer initialisation and bootstrap seed
-    config.num_prompts = 4  # evaluation prompts (bootstrap units); scale to hundreds for tight intervals
+    config.num_prompts = 40  # evaluation prompts (bootstrap units); scale to hundreds for tight intervals
 
     config.workload = ml_collections.ConfigDict()
     config.workload.name = "squad_multidoc"  # squad_multidoc | needle_haystack | synthetic
@@ -63,7 +63,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.policies = (
         "full_recompute", "prefix_caching", "full_reuse", *config.sweep.policies, "oracle",
     )  # compared at the ratio
-    config.sweep.num_prompts = 2  # first evaluation prompts used by the sweep (0 = skip)
+    config.sweep.num_prompts = 4  # first evaluation prompts used by the sweep (0 = skip)
 
     config.learned = ml_collections.ConfigDict()
     config.learned.train_prompts = 4  # training-split prompts of the learned scorer (disjoint from evaluation)
@@ -75,13 +75,13 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.eval.continuation_tokens = 24  # N: teacher-forced continuation length for KL / top-1 (>= max_answer_tokens)
     config.eval.max_answer_tokens = 16  # greedy answer budget (gold scores)
     config.eval.num_probes = 16  # suffix rows traced for attention deviation
-    config.eval.detail_prompts = 4  # first prompts with per-layer KV / attention deviation (a traced run per policy)
+    config.eval.detail_prompts = 2  # first prompts with per-layer KV / attention deviation (a traced run per policy)
     config.eval.decode_batch = 8  # answers decoded together (engine max_batch_size; their runs stay cached meanwhile)
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
     config.runtime = ml_collections.ConfigDict()
     config.runtime.tokens_per_block = 16  # tokens per page (a continuation reuses a run up to its last full page: suffixes must cover one)
-    config.runtime.token_bucket = 512  # prompt lengths pad to a multiple of this (fewer compiled shapes)
+    config.runtime.token_bucket = 1024  # blended prompts pad to a multiple of this (fewer compiled shapes)
     config.runtime.attn_impl = "auto"  # attention: auto (blocked on CPU) | reference | blocked | interpret
 
     config.controller = ml_collections.ConfigDict()
@@ -102,6 +102,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         config.workload.source = str(_SLICE)
         config.workload.num_distractors = 2
         config.workload.max_tokens = 512
+        config.runtime.token_bucket = 512
         config.num_prompts = 2
         config.learned.train_prompts = 2
         config.learned.steps = 50

@@ -23,6 +23,7 @@ import time
 
 import ml_collections
 import numpy as np
+import psutil
 from tqdm import tqdm
 
 from experiments import cacheblend_eval as ev
@@ -97,10 +98,10 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     started = time.perf_counter()
     compiles = compile_counter()
     compile_start = dataclasses.replace(compiles)
-    setup = ev.build(config)
-    prompts, blender, cfg = setup.prompts, setup.blender, setup.model.config
-    n_mean = float(np.mean([p.roles.num_tokens for p in prompts]))
     records, state = _resume(workdir, config)
+    setup = ev.build(config)
+    prompts, cfg = setup.prompts, setup.model.config
+    n_mean = float(np.mean([p.roles.num_tokens for p in prompts]))
     log = ev.TimingLog()
     for chunk in prompts[0].chunks:
         setup.store.put(chunk)
@@ -140,6 +141,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
             "reference_last_logit_error": ref.last_logit_error, "runs": _plain(results),
             "time": {"wall_s": wall, "compile_s": compiles.since(compiled).seconds, **engine_s,
                      "host_s": wall - sum(engine_s.values()), "programs": compiles.since(compiled).programs,
+                     "rss_gb": psutil.Process().memory_info().rss / 2**30,
                      "warmup_runs": log.warmup_runs - warm.warmup_runs, "warmup_s": log.warmup_s - warm.warmup_s},
         }
         with open(workdir / RECORDS, "a") as f:

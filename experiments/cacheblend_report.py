@@ -113,7 +113,8 @@ def write(
     dev_stats = plots.deviation_figures(workdir, devs)
     plots.deviation_by_layer(workdir / "kv_deviation_by_layer.png", per_policy, ("full_reuse", "cacheblend", "query_aware", "random"))
 
-    times = {k: float(np.sum([r["time"][k] for r in records])) for k in records[0]["time"]}
+    times = {k: float(np.sum([r["time"][k] for r in records])) for k in records[0]["time"] if k != "rss_gb"}
+    rss = [r["time"]["rss_gb"] for r in records]
     per_hour = 3600.0 * len(records) / times["wall_s"]
     time_text = (
         f"{len(records)} prompts scored in {times['wall_s']:.0f} s of prompt loops ({resumed} read back from an earlier "
@@ -121,7 +122,8 @@ def write(
         f"(compiles included). Where it went (sums over prompts): compile {times['compile_s']:.0f} s "
         f"({times['programs']:.0f} programs traced), ordinary prefills {times['prefill_s']:.0f} s, blended prefills "
         f"{times['blend_s']:.0f} s, decode {times['decode_s']:.0f} s, page ops {times['page_ops_s']:.1f} s, host (the rest) "
-        f"{times['host_s']:.0f} s; prefill and decode times include the compiles that happened in them.\n\n"
+        f"{times['host_s']:.0f} s; prefill and decode times include the compiles that happened in them. Resident "
+        f"memory after each prompt: first {rss[0]:.2f} GB, last {rss[-1]:.2f} GB, peak {max(rss):.2f} GB.\n\n"
         f"Compilation, apart from every timed figure: {compiled.seconds:.1f} s over the whole run ({compiled.programs} "
         f"programs traced, {compiled.backend_compiles} compiled by the backend, the rest from the compilation cache). "
         f"{log.warmup_runs} prefills compiled and were run again before being timed ({log.warmup_s:.1f} s); "
@@ -188,7 +190,7 @@ def write(
     return {
         "policies": rows, "paired": paired, "headline": headline, "sweep": sweep_rows, "budget": budgets,
         "learned": learned, "deviation": dev_stats, "controller": {"tiers": tier_rows}, "ratio": sel_cfg.recompute_ratio,
-        "fixed_cost_ms": fixed, "fixed_fraction": fixed_fraction, "time": {**times, "prompts_per_hour": per_hour},
+        "fixed_cost_ms": fixed, "fixed_fraction": fixed_fraction, "time": {**times, "prompts_per_hour": per_hour, "rss_gb": rss},
         "timing": {**dataclasses.asdict(log), "compile_s": compiled.seconds, "programs": compiled.programs,
                    "backend_compiles": compiled.backend_compiles},
         "num_split_chunks": setup.num_split_chunks, "num_skipped": setup.num_skipped, "num_prompts": len(records), "run_seconds": elapsed,

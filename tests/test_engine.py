@@ -153,3 +153,35 @@ def test_forced_manager_v2_is_a_clear_error(smollm2):
         make_engine(smollm2, use_kv_cache_manager_v2=True, host_cache_size=1 << 20)
     assert not make_engine(smollm2, use_kv_cache_manager_v2="auto").uses_manager_v2
     assert make_engine(smollm2, use_kv_cache_manager_v2=True).uses_manager_v2
+
+
+def test_prompt_logits_are_the_computed_rows_of_the_last_prompt_positions(smollm2, reference_text):
+    ids = smollm2.tokenizer.encode(reference_text)[:540]
+    engine = make_engine(smollm2, max_seq_len=1024, max_tokens=4096)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True, return_logits=True)
+    [cold] = engine.generate([ids], SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logits=5))
+    assert cold.prompt_logits.shape == (5, smollm2.config.vocab_size) and cold.num_reused_tokens == 0
+    for row, end in zip(cold.prompt_logits, range(len(ids) - 4, len(ids) + 1)):
+        fresh = make_engine(smollm2, max_seq_len=1024, max_tokens=4096)
+        [alone] = fresh.generate([ids[:end]], one)  # the logits after ids[:end], from its own prefill
+        assert rel_err(row, alone.logits[0]) <= 1e-4
+    # A cache hit serves all but the last partial page (540 = 33 pages of 16 + 12): only those rows are computed.
+    [warm] = engine.generate([ids], SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logits=40))
+    assert warm.num_reused_tokens == 528 and warm.prompt_logits.shape[0] == 12
+    assert rel_err(warm.prompt_logits[-5:], cold.prompt_logits) <= 1e-4
+    with pytest.raises(ValueError, match="prompt_logits=-1 must be an int >= 0"):
+        SamplingParams(prompt_logits=-1)
+
+
+def test_pop_output_forgets_a_finished_request_only(smollm2, prompts):
+    engine = make_engine(smollm2)
+    rid = engine.submit(prompts[0], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.pop_output(rid)
+    engine.run()
+    out = engine.pop_output(rid)
+    assert len(out.output) == 3 and rid not in engine.requests
+    with pytest.raises(KeyError, match="unknown"):
+        engine.pop_output(rid)
+    [again] = engine.generate([prompts[0]], SamplingParams(max_new_tokens=3, ignore_eos=True), request_id=rid)
+    assert again.output == out.output and again.num_reused_tokens > 0  # the blocks stayed cached

@@ -88,3 +88,30 @@ def test_query_aware_fused_at_ratio_one_reproduces_full_recompute(setup):
     _, prompt, blender, full = setup
     config = SelectionConfig(selector="query_aware_fused", recompute_ratio=1.0, budgets=(1.0, 1.0, 1.0))
     assert rel_err(blender.run(prompt, config).logits[-1], full) <= RTOL
+
+
+def test_an_extension_continues_the_runs_fused_kv(smollm2):
+    """Teacher forcing through an ordinary request on a run's committed blocks gives the logits
+    of feeding the tokens inside the blended request itself, and the same greedy tokens."""
+    from kvjax.blend.blender import Extension
+
+    ex = make_examples(smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix)
+    engine = Engine(smollm2, KvCacheConfig(tokens_per_block=16, max_tokens=8192), SchedulerConfig(prefill_chunk_size=2048),
+                    max_seq_len=1024)
+    store = ChunkStore(engine, variant="system", prefix_tokens=ex.prefix)
+    for chunk in prompt.chunks:
+        store.put(chunk)
+    blender = Blender(store, token_bucket=256)
+    assert prompt.roles.num_tokens >= 512
+    policy = SelectionConfig(selector="cacheblend", recompute_ratio=0.15)
+    feed = tuple(smollm2.tokenizer.encode(" the answer is seven", add_bos=False))
+    inside = blender.run(prompt, policy, feed=feed, max_new_tokens=4)
+    run = blender.run(prompt, policy)
+    forced, greedy = blender.extend([Extension(run, feed, prompt_logits=len(feed) + 1), Extension(run, feed, max_new_tokens=4)])
+    assert forced.num_reused_tokens >= prompt.roles.suffix_start
+    assert rel_err(forced.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
+    assert greedy.output == inside.tokens
+    engine.manager.clear_cache()  # the run's blocks are gone: continuing it would recompute its chunks exactly
+    with pytest.raises(RuntimeError, match="reused 0 tokens of its run's KV"):
+        blender.extend([Extension(run, feed)])

@@ -1,0 +1,122 @@
+"""The CacheBlend experiment's evaluation logic without a model: chunk splitting, continuable
+prompts, answer extraction, the ratio needed for 99% of full recompute's gold, bootstrap
+statistics, and timing that never includes a compilation."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import cacheblend_eval as ev
+from experiments.timing import compilations_during
+from experiments.workloads.rag import RagExample
+from kvjax import metrics
+from kvjax.testing.byte_tokenizer import byte_tokenizer
+
+
+def example(chunk_lengths: tuple[int, ...], suffix: int = 20, facts: tuple[int, ...] = (1,)) -> RagExample:
+    chunks = tuple(tuple(range(10 * i, 10 * i + n)) for i, n in enumerate(chunk_lengths))
+    return RagExample(task="squad_multidoc", prefix=(1, 2, 3), chunks=chunks, suffix=tuple(range(suffix)), answer="a",
+                      fact_chunks=facts, question="q", gold_answers=("a",))
+
+
+def test_long_chunks_are_split_into_near_equal_pieces_keeping_every_token():
+    ex = example((100, 250, 30), facts=(1,))
+    split, cut = ev.split_long_chunks(ex, 100)
+    assert cut == 1
+    assert [len(c) for c in split.chunks] == [100, 83, 84, 83, 30]
+    assert sum(split.chunks, ()) == sum(ex.chunks, ())
+    assert split.fact_chunks == (1, 2, 3)  # the gold paragraph's pieces
+    same, none = ev.split_long_chunks(ex, 250)
+    assert none == 0 and same == ex
+
+
+def test_continuable_needs_the_suffix_to_cover_the_last_partial_page():
+    # 3 + 100 + 20 = 123 tokens; a continuation reuses 122 // 16 * 16 = 112 >= 103 chunk-end
+    assert ev.continuable(example((100,), suffix=20), 16)
+    # suffix 5: 108 tokens, reuse 107 // 16 * 16 = 96 < 103
+    assert not ev.continuable(example((100,), suffix=5), 16)
+    assert ev.continuable(example((100,), suffix=5), 1)
+
+
+def test_answers_skip_leading_newlines_and_stop_at_the_next_stop_token():
+    tok = byte_tokenizer(chat=False)
+    newline = tok.encode("\n", add_bos=False)[0]
+    ids = [newline, newline, *tok.encode(" Paris", add_bos=False), newline, *tok.encode("junk", add_bos=False)]
+    text, length = ev.answer_text(tok, ids, (newline,))
+    assert text == "Paris" and length == 9  # two newlines, " Paris", the stop
+    assert ev.answer_text(tok, [newline] * 3, (newline,)) == ("", 3)
+
+
+def test_ratio_at_quality_interpolates_between_sweep_points():
+    ratios = [0.05, 0.15, 0.3, 0.5]
+    gold = np.asarray([[0.2, 0.2], [0.5, 0.5], [0.8, 0.8], [1.0, 1.0]])
+    reuse, full = np.zeros(2), np.ones(2)
+    assert ev.ratio_at_quality(ratios, gold, reuse, full) == pytest.approx(0.3 + 0.19 / 0.2 * 0.2)
+    assert ev.ratio_at_quality(ratios, gold, np.ones(2), full) == 0.0  # full reuse already reaches it
+    never = np.full((4, 2), 0.5)
+    assert ev.ratio_at_quality(ratios, never, reuse, full) == pytest.approx(0.5 + 0.49 / 0.5 * 0.5)
+    batched = ev.ratio_at_quality(ratios, np.stack([gold, never]), np.stack([reuse, reuse]), np.stack([full, full]))
+    np.testing.assert_allclose(batched, [0.49, 0.99])
+
+
+def test_bootstrap_statistic_of_a_ratio_of_means():
+    a, b = np.asarray([1.0, 2.0, 3.0, 4.0]), np.full(4, 2.0)
+    value, lo, hi = metrics.bootstrap_statistic((a, b), lambda x, y: x.mean(-1) / y.mean(-1), num=500)
+    assert value == pytest.approx(1.25) and lo < value < hi
+    assert metrics.bootstrap_statistic((a, a), lambda x, y: x.mean(-1) / y.mean(-1), num=100) == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="same prompts"):
+        metrics.bootstrap_statistic((a, b[:3]), lambda x, y: x.mean(-1))
+
+
+def test_recovered_share_has_an_interval_and_speedup_is_a_ratio_of_total_ttft():
+    per_policy = {
+        "full_recompute": [{"gold": g, "ttft_s": 1.0} for g in (1.0, 1.0, 0.0, 1.0)],
+        "full_reuse": [{"gold": g, "ttft_s": 0.2} for g in (0.0, 0.0, 0.0, 1.0)],
+        "cacheblend": [{"gold": g, "ttft_s": t} for g, t in ((1.0, 0.2), (0.0, 0.6), (0.0, 0.2), (1.0, 0.2))],
+    }
+    headline = ev.recovery(per_policy, 500, 0)
+    share, lo, hi = headline["recovered_share"]["cacheblend"]
+    assert share == pytest.approx(0.5) and lo <= share <= hi
+    speed = ev.speed_row(per_policy["cacheblend"], per_policy["full_recompute"], 500, 0)
+    assert speed["speedup"] == pytest.approx(4.0 / 1.2) and speed["time_fraction"] == pytest.approx(0.3)
+    rows = ev.paired_rows(per_policy, "full_reuse", ("gold",), 500, 0)
+    assert {r["policy"] for r in rows} == {"full_recompute", "cacheblend"} and all("significant" in r for r in rows)
+
+
+def test_compilations_are_counted():
+    f = jax.jit(lambda x: x * 3 + 1)
+    _, first = compilations_during(lambda: f(jnp.ones(5)).block_until_ready())
+    _, again = compilations_during(lambda: f(jnp.ones(5)).block_until_ready())
+    assert first.programs >= 1 and first.seconds > 0
+    assert again.programs == 0
+
+
+class _CompilingBlender:
+    """Stands in for a Blender whose every run compiles a new program (shapes that never repeat)."""
+
+    def __init__(self, compiles_left: int) -> None:
+        self.compiles_left, self.calls = compiles_left, 0
+
+    def run(self, prompt, pol, **_):
+        self.calls += 1
+        if self.compiles_left:
+            self.compiles_left -= 1
+            jax.jit(lambda x: x + self.calls)(jnp.ones(self.calls + 7)).block_until_ready()
+        return types.SimpleNamespace(ttft_s=0.5)
+
+
+def test_timed_runs_again_until_nothing_compiles_and_refuses_shapes_that_never_repeat():
+    log = ev.TimingLog()
+    setup = types.SimpleNamespace(blender=_CompilingBlender(compiles_left=2))
+    ev.timed(setup, None, "full_recompute", log)
+    assert setup.blender.calls == 3 and dataclasses.astuple(log) == (1, 2, 1.0, 0)
+    never = types.SimpleNamespace(blender=_CompilingBlender(compiles_left=10**6))
+    with pytest.raises(RuntimeError, match=r"compiled \d+ programs in each of 3 runs"):
+        ev.timed(never, None, "full_recompute", log)
+    assert log.compiles_in_timed >= 1
