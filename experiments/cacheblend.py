@@ -1,8 +1,8 @@
 """CacheBlend and its successors' selectors against full recompute on RAG prompts (real SQuAD
 multi-document QA, needle in a haystack, or synthetic), every policy an engine request.
 
-Per prompt: the chunks are stored in the engine's cache manager (untimed, as offline
-precompute); full recompute gives the reference (``cacheblend_eval.reference``); every policy
+Per prompt, from an empty cache: the chunks are stored in the engine's cache manager
+(untimed, as offline precompute); full recompute gives the reference (``cacheblend_eval.reference``); every policy
 (and, on the first ``sweep.num_prompts`` prompts, every selector at every sweep ratio) runs
 one prefill, timed with nothing compiling in it, whose KV its teacher-forced continuation and
 greedy answer then extend (``cacheblend_eval.evaluate_prompt``). The learned selector is
@@ -126,6 +126,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         example, prompt = setup.examples[i], prompts[i]
         t0, timings, compiled = time.perf_counter(), dict(setup.engine.timings), dataclasses.replace(compiles)
         warm = dataclasses.replace(log)
+        setup.engine.manager.clear_cache()  # no earlier prompt's chunk blocks (kept before runs' blocks) crowd this one's out
         for chunk in prompt.chunks:
             setup.store.put(chunk)
         ref = ev.reference(setup, prompt, sel_cfg, config, log)

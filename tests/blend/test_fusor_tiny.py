@@ -122,3 +122,14 @@ def test_blend_scope_match_attends_over_the_cached_fused_kv(setup, config):
         outputs.append(engine.output(rid))
     assert outputs[0].blend_report.num_cached == 0 and outputs[1].blend_report.num_cached > 0
     assert rel_err(outputs[1].prompt_logits[-1], outputs[0].prompt_logits[-1]) < RTOL
+
+
+def test_an_untraced_run_reports_the_rows_each_layer_recomputed(setup):
+    _, prompt, blender, _ = setup
+    n = prompt.roles.num_tokens
+    config = SelectionConfig(recompute_ratio=0.2, check_layers=(1, 2), budgets=(2.0, 1.0), row_bucket=8)
+    traced, plain = blender.run(prompt, config, num_probes=4), blender.run(prompt, config)
+    assert plain.trace is None and plain.report.recomputed.shape == (traced.trace["recomputed"].shape[0], n)
+    np.testing.assert_array_equal(plain.report.recomputed, np.asarray(traced.trace["recomputed"])[:, :n])
+    np.testing.assert_array_equal(plain.logits, traced.logits)
+    assert plain.report.recomputed[:, prompt.roles.suffix_start:].all()  # the suffix, in every layer
