@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import ml_collections
 import numpy as np
