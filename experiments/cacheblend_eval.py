@@ -332,10 +332,8 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
     pending: dict[str, Extension] = {}  # greedy answers to decode, decoded together while the runs' KV is cached
 
     def decode_answers() -> None:
-        unique = list({id(ext): ext for ext in pending.values()}.values())
-        generated = dict(zip(map(id, unique), setup.blender.extend(unique)))
-        for key, ext in pending.items():
-            results[key]["answer"], _ = answer_text(tok, [*ext.feed, *generated[id(ext)].output], setup.stop_ids)
+        for (key, ext), out in zip(pending.items(), setup.blender.extend(list(pending.values()))):
+            results[key]["answer"], _ = answer_text(tok, [*ext.feed, *out.output], setup.stop_ids)
         pending.clear()
 
     traced: list[tuple[str, selection.SelectionConfig]] = []
@@ -353,7 +351,10 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
         run = timed(setup, prompt, pol, log, scores=ref.true_dev)
         [forced] = setup.blender.extend([Extension(run, tuple(ref.continuation[:-1].tolist()),
                                                    prompt_logits=len(ref.continuation))])
-        out = results[key] = _quality(ref, forced.prompt_logits)
+        logits = forced.prompt_logits
+        if len(logits) == len(ref.continuation) - 1:  # a prompt of whole pages: its last token was served from the
+            logits = np.concatenate([run.logits[:1], logits])  # run's blocks, so its logits are the run's own
+        out = results[key] = _quality(ref, logits)
         report = run.report
         out.update(ttft_s=run.ttft_s, flop_fraction=metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
                    recall_vs_oracle=_recall_vs_oracle(prompt, pol.recompute_ratio, ref, report.recomputed),

@@ -115,3 +115,28 @@ def test_an_extension_continues_the_runs_fused_kv(smollm2):
     engine.manager.clear_cache()  # the run's blocks are gone: continuing it would recompute its chunks exactly
     with pytest.raises(RuntimeError, match="reused 0 tokens of its run's KV"):
         blender.extend([Extension(run, feed)])
+
+
+def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
+    """When the prompt fills its last page, the run's blocks serve every prompt token: the
+    extension computes only the fed rows, and the logits after the prompt are the run's own
+    (what the experiment prepends)."""
+    from kvjax.blend.blender import Extension
+
+    ex = make_examples(smollm2.tokenizer, num=1, seed=6, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
+    prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[: len(ex.suffix) - n % 16])
+    assert prompt.roles.num_tokens % 16 == 0 and prompt.roles.num_tokens >= 512 and len(prompt.suffix) >= 16
+    engine = Engine(smollm2, KvCacheConfig(tokens_per_block=16, max_tokens=8192), SchedulerConfig(prefill_chunk_size=2048),
+                    max_seq_len=1024)
+    store = ChunkStore(engine, variant="system", prefix_tokens=ex.prefix)
+    for chunk in prompt.chunks:
+        store.put(chunk)
+    blender = Blender(store, token_bucket=256)
+    policy = SelectionConfig(selector="epic", recompute_ratio=0.15)
+    feed = tuple(smollm2.tokenizer.encode(" so the key is", add_bos=False))
+    inside = blender.run(prompt, policy, feed=feed)
+    run = blender.run(prompt, policy)
+    [forced] = blender.extend([Extension(run, feed, prompt_logits=len(feed) + 1)])
+    assert forced.num_reused_tokens == prompt.roles.num_tokens and len(forced.prompt_logits) == len(feed)
+    assert rel_err(np.concatenate([run.logits[:1], forced.prompt_logits]), inside.logits[: len(feed) + 1]) <= 1e-4
