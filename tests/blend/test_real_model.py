@@ -23,8 +23,8 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def make_blender(model, prefix: tuple[int, ...], variant: str, chunks) -> Blender:
-    engine = Engine(model, KvCacheConfig(tokens_per_block=32, max_tokens=8192), SchedulerConfig(prefill_chunk_size=2048),
+def make_blender(model, prefix: tuple[int, ...], variant: str, chunks, tokens_per_block: int = 32) -> Blender:
+    engine = Engine(model, KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=8192), SchedulerConfig(prefill_chunk_size=2048),
                     max_seq_len=1024)
     store = ChunkStore(engine, variant=variant, prefix_tokens=prefix)
     for chunk in chunks:
@@ -97,12 +97,7 @@ def test_an_extension_continues_the_runs_fused_kv(smollm2):
 
     ex = make_examples(smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix)
-    engine = Engine(smollm2, KvCacheConfig(tokens_per_block=16, max_tokens=8192), SchedulerConfig(prefill_chunk_size=2048),
-                    max_seq_len=1024)
-    store = ChunkStore(engine, variant="system", prefix_tokens=ex.prefix)
-    for chunk in prompt.chunks:
-        store.put(chunk)
-    blender = Blender(store, token_bucket=256)
+    blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=16)
     assert prompt.roles.num_tokens >= 512
     policy = SelectionConfig(selector="cacheblend", recompute_ratio=0.15)
     feed = tuple(smollm2.tokenizer.encode(" the answer is seven", add_bos=False))
@@ -112,7 +107,7 @@ def test_an_extension_continues_the_runs_fused_kv(smollm2):
     assert forced.num_reused_tokens >= prompt.roles.suffix_start
     assert rel_err(forced.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
     assert greedy.output == inside.tokens
-    engine.manager.clear_cache()  # the run's blocks are gone: continuing it would recompute its chunks exactly
+    blender.engine.manager.clear_cache()  # the run's blocks are gone: continuing it would recompute its chunks exactly
     with pytest.raises(RuntimeError, match="reused 0 tokens of its run's KV"):
         blender.extend([Extension(run, feed)])
 
@@ -127,12 +122,7 @@ def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
     n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[: len(ex.suffix) - n % 16])
     assert prompt.roles.num_tokens % 16 == 0 and prompt.roles.num_tokens >= 512 and len(prompt.suffix) >= 16
-    engine = Engine(smollm2, KvCacheConfig(tokens_per_block=16, max_tokens=8192), SchedulerConfig(prefill_chunk_size=2048),
-                    max_seq_len=1024)
-    store = ChunkStore(engine, variant="system", prefix_tokens=ex.prefix)
-    for chunk in prompt.chunks:
-        store.put(chunk)
-    blender = Blender(store, token_bucket=256)
+    blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=16)
     policy = SelectionConfig(selector="epic", recompute_ratio=0.15)
     feed = tuple(smollm2.tokenizer.encode(" so the key is", add_bos=False))
     inside = blender.run(prompt, policy, feed=feed)
