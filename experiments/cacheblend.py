@@ -67,10 +67,9 @@ def _resume(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> tuple[l
     state_path = workdir / STATE
     if not state_path.is_file():
         return [], None
-    state = json.loads(state_path.read_text())
-    if state["config"] != _comparable(config):
-        differ = sorted(k for k in set(state["config"]) | set(_comparable(config))
-                        if state["config"].get(k) != _comparable(config).get(k))
+    state, current = json.loads(state_path.read_text()), _comparable(config)
+    if state["config"] != current:
+        differ = sorted(k for k in set(state["config"]) | set(current) if state["config"].get(k) != current.get(k))
         raise ValueError(f"{workdir} holds results of another config (fields {differ} differ); use a new --workdir")
     lines = (workdir / RECORDS).read_text().splitlines() if (workdir / RECORDS).is_file() else []
     records = []
@@ -80,17 +79,6 @@ def _resume(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> tuple[l
         except json.JSONDecodeError:  # a line cut short by the interruption: that prompt runs again
             break
     return [r for r in records if r["index"] < config.num_prompts], state
-
-
-def _plain(value: object) -> object:
-    """``value`` with NumPy arrays and scalars as Python lists and numbers (NaN kept)."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.tolist()
-    return value
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
@@ -139,7 +127,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         wall = time.perf_counter() - t0
         record = {
             "index": i, "num_tokens": prompt.roles.num_tokens, "reference_answer": ref.answer,
-            "reference_last_logit_error": ref.last_logit_error, "runs": _plain(results),
+            "reference_last_logit_error": ref.last_logit_error, "runs": report.jsonable(results, nan_as_text=False),
             "time": {"wall_s": wall, "compile_s": compiles.since(compiled).seconds, **engine_s,
                      "host_s": wall - sum(engine_s.values()), "programs": compiles.since(compiled).programs,
                      "rss_gb": psutil.Process().memory_info().rss / 2**30,

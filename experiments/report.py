@@ -17,25 +17,27 @@ import ml_collections
 import numpy as np
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any, *, nan_as_text: bool = True) -> Any:
+    """``value`` with NumPy arrays and scalars and paths as plain Python values; non-finite
+    floats become the strings "nan" / "inf" (strict JSON) unless ``nan_as_text`` is False."""
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v, nan_as_text=nan_as_text) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v, nan_as_text=nan_as_text) for v in value]
     if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
+        return jsonable(value.tolist(), nan_as_text=nan_as_text)
     if isinstance(value, (np.integer,)):
         return int(value)
     if isinstance(value, (np.floating, float)):
         f = float(value)
-        return f if math.isfinite(f) else str(f)
+        return f if math.isfinite(f) or not nan_as_text else str(f)
     if isinstance(value, pathlib.Path):
         return str(value)
     return value
 
 
 def write_json(path: pathlib.Path, data: Any) -> None:
-    path.write_text(json.dumps(_jsonable(data), indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(jsonable(data), indent=2, sort_keys=False) + "\n")
 
 
 def write_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
@@ -65,7 +67,7 @@ def write_csv(path: pathlib.Path, rows: Sequence[Mapping[str, Any]], columns: Se
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows([{c: _jsonable(r.get(c)) for c in columns} for r in rows])
+        writer.writerows([{c: jsonable(r.get(c)) for c in columns} for r in rows])
 
 
 def write_summary(workdir: pathlib.Path, title: str, sections: Sequence[tuple[str, str]]) -> None:
