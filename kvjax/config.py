@@ -12,6 +12,7 @@ loads with :func:`load_llm_config`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -241,11 +242,15 @@ class KvCacheConfig:
       free_memory_bytes: the free memory to size against where the backend cannot tell
         (CPU); None measures it.
       enable_block_reuse: reuse blocks across requests through the radix tree.
-      host_cache_size: bytes of the host (secondary) tier; 0 disables offload.
+      host_cache_size: bytes of the host (secondary) tier; 0 disables offload, else at least
+        one block (a page of every layer group; checked when the engine is built).
       disk_cache_size: bytes of the disk tier below the host tier (host victims spill there
-        instead of being dropped); 0 disables it; needs host_cache_size > 0.
-      disk_cache_dir: folder of the disk tier's page file (created; the file is removed when
-        the engine is garbage-collected); None = a fresh folder under the system temp dir.
+        instead of being dropped); 0 disables it, else at least one block; needs
+        host_cache_size > 0.
+      disk_cache_dir: folder of the disk tier's page files (created; they are removed when
+        the engine is garbage-collected); ``~`` is expanded and a relative path is made
+        absolute here, against the working directory of this call. None = a fresh folder
+        under the system temp dir.
       secondary_offload_min_priority: blocks with priority below this are dropped, not offloaded.
       enable_partial_reuse: reuse a block whose tokens match only in part.
       copy_on_partial_reuse: copy the matching tokens into a fresh block (else reuse the
@@ -331,6 +336,8 @@ class KvCacheConfig:
             self.disk_cache_dir is None or (isinstance(self.disk_cache_dir, str) and self.disk_cache_dir != ""),
             f"disk_cache_dir={self.disk_cache_dir!r} must be None or a non-empty path string",
         )
+        if self.disk_cache_dir is not None:
+            object.__setattr__(self, "disk_cache_dir", os.path.abspath(os.path.expanduser(self.disk_cache_dir)))
         _check_priority("secondary_offload_min_priority", self.secondary_offload_min_priority)
         for name, kind, is_kind, meaning in (
             ("max_attention_window", "ints", _is_int, "one window per layer, cycled"),
@@ -492,6 +499,18 @@ class SpeculativeConfig:
         )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that repeats a key (plain YAML keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            _require(key not in seen, f"duplicate key {key!r} at line {key_node.start_mark.line + 1} of the config")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_llm_config(source: Mapping[str, Any] | str) -> tuple[KvCacheConfig, SchedulerConfig]:
     """Reads ``kv_cache_config`` and ``scheduler_config`` from a mapping or a YAML string.
 
@@ -500,7 +519,7 @@ def load_llm_config(source: Mapping[str, Any] | str) -> tuple[KvCacheConfig, Sch
     >>> kv.enable_block_reuse, sched.enable_prefix_aware_scheduling
     (True, False)
     """
-    mapping = yaml.safe_load(source) if isinstance(source, str) else source
+    mapping = yaml.load(source, Loader=_UniqueKeyLoader) if isinstance(source, str) else source
     _require(isinstance(mapping, Mapping), f"config source must be a mapping, got {type(mapping).__name__}")
     unknown = sorted(set(mapping) - {"kv_cache_config", "scheduler_config"})
     _require(not unknown, f"unknown section(s) {unknown}; allowed: ['kv_cache_config', 'scheduler_config']")

@@ -72,7 +72,8 @@ import numpy as np
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, PagePool, init_pool
 from kvjax.cache.pool import copy_pages, read_pages, write_pages
-from kvjax.cache.state_pool import NULL_SLOT, copy_slots, init_state_pool, read_slots, write_slots, zero_slots
+from kvjax.cache.sizing import free_device_memory
+from kvjax.cache.state_pool import NULL_SLOT, copy_slots, init_state_pool, read_slots, slot_bytes, write_slots, zero_slots
 from kvjax.config import (
     ConfigError,
     KvCacheConfig,
@@ -269,23 +270,34 @@ class Engine:
         self.model = model
         self.kv_config = kv_cache_config
         self.scheduler_config = scheduler_config
-        self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                        or not 1 <= max_seq_len <= cfg.max_seq_len):
+            raise ValueError(
+                f"max_seq_len={max_seq_len!r} must be None (the model's {cfg.max_seq_len}) or an int in "
+                f"[1, {cfg.max_seq_len}] (the model's max_seq_len)"
+            )
+        if attn_impl not in attention.IMPLS:
+            raise ValueError(f"attn_impl={attn_impl!r} must be one of {attention.IMPLS}")
+        self.max_seq_len = max_seq_len or cfg.max_seq_len
         self.attn_impl = attn_impl
         self.layout, self.cache_size = CacheLayout.for_model(
             kv_cache_config, model_windows=cfg.layer_windows, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             max_seq_len=self.max_seq_len, model_dtype=str(model.params.embed.dtype), hybrid=bool(cfg.recurrent_layers),
         )
         """The cache geometry (pages of every tier, page size, windows); the one owner of it."""
+        self.host_pool = HostPool(self.layout, kv_cache_config.disk_cache_dir)
+        """The host and disk tiers' pages (written only through its methods); built first, since
+        it checks the disk tier against the free space before any structure is sized by it."""
         self.manager: KVCacheManager | KVCacheManagerV2 = (
             KVCacheManagerV2(kv_cache_config, self.layout, scheduler_config.max_batch_size)
             if self.uses_manager_v2 else KVCacheManager(kv_cache_config, self.layout)
         )
+        if self.host_pool.disk:
+            self.manager.attach_disk_check(self.host_pool.check_disk)
         self._decode_on_device = self.uses_manager_v2
         """Whether the next pure-decode step may run on the device (V2; off for one step after
         a dispatch that ran out of pages or raised, so the scheduler preempts or isolates)."""
         self.pool: PagePool = init_pool(self.layout)
-        self.host_pool = HostPool(self.layout, kv_cache_config.disk_cache_dir)
-        """The host and disk tiers' pages (written only through its methods)."""
         self.scheduler = Scheduler(scheduler_config, self.manager)
         self.requests: dict[str, RequestRecord] = {}
         self.max_finished_requests = max_finished_requests
@@ -318,6 +330,8 @@ class Engine:
                 raise ValueError("set_manager swaps a V1 manager; this engine runs Manager V2 (use_kv_cache_manager_v2)")
             self.manager = manager
             self.scheduler = Scheduler(self.scheduler_config, manager)
+            if self.host_pool.disk:
+                manager.attach_disk_check(self.host_pool.check_disk)
             if self.state_snapshots is not None:
                 manager.attach_state_snapshots(self.state_snapshots)
 
@@ -381,6 +395,8 @@ class Engine:
         Returns:
           Whether the request was still queued or running (False if finished or unknown).
         """
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r} must be a str (one request per call)")
         with self.lock:
             record = self.requests.get(request_id)
             if record is None or record.finished or not self.scheduler.abort(request_id):
@@ -638,10 +654,12 @@ class Engine:
     def _execute_page_ops(self) -> None:
         ops = self.manager.take_page_ops()
         if not ops:
+            self.host_pool.end_step()
             return
         start = time.perf_counter()
         for (kind, group), run in itertools.groupby(ops, key=lambda op: (op.kind, op.group)):
             self._apply(kind, group, list(run))
+        self.host_pool.end_step()
         self.timings["page_ops_s"] += time.perf_counter() - start
         self.timings["page_ops"] += len(ops)
 
@@ -857,6 +875,14 @@ class Engine:
             raise ValueError(
                 f"speculative decoding is not supported for the hybrid model {cfg.name!r}: a rejected draft "
                 "cannot be rolled back out of a recurrent state; pass speculative=None"
+            )
+        num_slots = 1 + self.scheduler_config.max_batch_size + self.kv_config.mamba_state_config.max_snapshots
+        need, free = num_slots * slot_bytes(len(cfg.recurrent_layers), cfg.num_heads, cfg.head_dim), free_device_memory()
+        if need > free:
+            raise ConfigError(
+                f"kv_cache_config.mamba_state_config.max_snapshots={self.kv_config.mamba_state_config.max_snapshots:,}: "
+                f"the recurrent-state pool of {num_slots:,} slots needs {need:,} bytes but {free:,} are free; "
+                "lower max_snapshots"
             )
         self.state_snapshots = StateSnapshotIndex(
             self.kv_config, tokens_per_block=self.layout.tokens_per_block, num_live=self.scheduler_config.max_batch_size

@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 from kvjax.cache import PagePool, QuantizedPages
 from kvjax.engine import Engine
 from kvjax.manager import KVCacheManager, SnapshotError
+from kvjax.manager.state_snapshots import StateSnapshotIndex
 
 FORMAT_VERSION = 2
 MAX_TO_KEEP = 3
@@ -167,20 +168,27 @@ def save_snapshot(
         snapshot); without it an existing step is refused.
 
     Raises:
-      ValueError: the engine has work, or ``step`` is not None or an int >= 0.
+      ValueError: the engine has work or runs Manager V2, or ``step`` is not None or an int >= 0.
       SnapshotError: ``step`` exists and ``overwrite`` is False, ``step`` is below the latest
-        step, or ``directory`` is a file.
+        step, ``directory`` is a file, or a file could not be written there (permissions, a
+        full disk).
     """
     with engine.lock:  # no step may run while the state is read
-        return _save(engine, directory, step, overwrite)
+        try:
+            return _save(engine, directory, step, overwrite)
+        except OSError as err:
+            raise SnapshotError(
+                f"cannot write a snapshot under {str(directory)!r}: {err.strerror or err} "
+                f"({type(err).__name__}{'' if err.filename is None else ', ' + str(err.filename)})"
+            ) from err
 
 
 def _save(engine: Engine, directory: str | os.PathLike, step: int | None, overwrite: bool) -> int:
-    if engine.has_work:
-        raise ValueError("save_snapshot needs an idle engine: finish or drop queued/running requests first")
+    _check_engine(engine, "save_snapshot")
     _check_step(step)
     root = _root(directory)
     _recover(root)
+    engine.manager.drop_lost_disk_blocks()  # a damaged disk page is not saved as if it were cached
     arrays = _arrays(engine)
     document = {
         "format_version": FORMAT_VERSION,
@@ -249,7 +257,7 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike, step: int | N
     """Loads a snapshot (the latest complete step by default) into an idle engine; returns the step.
 
     Raises:
-      ValueError: the engine has work, or ``step`` is not None or an int >= 0.
+      ValueError: the engine has work or runs Manager V2, or ``step`` is not None or an int >= 0.
       SnapshotError: no such snapshot; an unreadable or damaged file; metadata or arrays that
         do not match their BLAKE3 digests; a different format version, model (weights digest),
         cache config or layout. The engine is unchanged then.
@@ -258,9 +266,23 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike, step: int | N
         return _restore(engine, directory, step)
 
 
-def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> int:
+def _complete(step_dir: pathlib.Path) -> bool:
+    """Whether a step folder holds both parts a save writes (a folder left empty is not a step)."""
+    return (step_dir / "meta").is_dir() and (step_dir / "arrays").is_dir()
+
+
+def _check_engine(engine: Engine, call: str) -> None:
     if engine.has_work:
-        raise ValueError("restore_snapshot needs an idle engine: finish or drop queued/running requests first")
+        raise ValueError(f"{call} needs an idle engine: finish or drop queued/running requests first")
+    if engine.uses_manager_v2:
+        raise ValueError(
+            f"{call} is not supported with use_kv_cache_manager_v2 (this engine runs Manager V2, whose allocation "
+            "state lives on the device); build the engine with use_kv_cache_manager_v2='false' to save or restore"
+        )
+
+
+def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> int:
+    _check_engine(engine, "restore_snapshot")
     _check_step(step)
     root = _root(directory)
     if not root.is_dir():
@@ -272,9 +294,10 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
         with _reading(f"snapshot directory {str(root)!r}"):
             steps = mgr.all_steps()
         if step is None:
-            if not steps:
+            complete = [s for s in steps if _complete(root / str(s))]
+            if not complete:
                 raise SnapshotError(f"no complete snapshot under {str(directory)!r}")
-            step = max(steps)
+            step = max(complete)
         elif step not in steps:
             raise SnapshotError(f"no snapshot step {step} under {str(root)!r}; steps there: {sorted(steps)}")
         where = f"snapshot step {step} under {str(root)!r}"
@@ -289,22 +312,36 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
             arrays = {k: np.asarray(v) for k, v in restored["arrays"].items()}
     if _arrays_digest(arrays) != document["arrays_blake3"]:
         raise SnapshotError(f"{where} is damaged: its arrays do not match the stored BLAKE3 digest")
-    try:
+    try:  # validate everything, then apply: a refused restore changes nothing
         manager = KVCacheManager.from_state_dict(document["manager_state"], engine.kv_config, engine.layout)
     except SnapshotError as err:
         raise SnapshotError(f"{where}: {err}") from err
+    index = None
     if engine.state_snapshots is not None:
+        index = StateSnapshotIndex(
+            engine.kv_config, tokens_per_block=engine.layout.tokens_per_block, num_live=engine.state_snapshots.num_live
+        )
         try:
-            engine.state_snapshots.load_state_dict(document["state_snapshots"])
+            index.load_state_dict(document["state_snapshots"])
         except (KeyError, TypeError, ValueError) as err:
             raise SnapshotError(f"{where}: its recurrent-state snapshots are damaged: {err}") from err
-        engine.state_pool = jnp.asarray(arrays["state_pool"])
+    tiers = {(tier, g): _pages(arrays, f"{tier}_{g:03d}", f"{tier}_scales_{g:03d}", np.asarray)
+             for tier, g in engine.host_pool.pool_ids()}
+    for (tier, g), saved in tiers.items():
+        try:
+            engine.host_pool.check_restore(tier, g, saved)
+        except ValueError as err:
+            raise SnapshotError(f"{where}: {err}") from err
     num_layers = engine.layout.num_layers
-    engine.pool = PagePool(
+    pool = PagePool(
         k=tuple(_pages(arrays, f"device_k_{i:03d}", f"device_k_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
         v=tuple(_pages(arrays, f"device_v_{i:03d}", f"device_v_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
     )
-    for tier, g, _ in list(engine.host_pool.pools()):  # copied into the pool's own arrays and page files
-        engine.host_pool.restore(tier, g, _pages(arrays, f"{tier}_{g:03d}", f"{tier}_scales_{g:03d}", np.asarray))
+    if index is not None:
+        engine.state_snapshots = index
+        engine.state_pool = jnp.asarray(arrays["state_pool"])
+    engine.pool = pool
+    for (tier, g), saved in tiers.items():  # copied into the pool's own arrays and page files
+        engine.host_pool.restore(tier, g, saved)
     engine.set_manager(manager)
     return step

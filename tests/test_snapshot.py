@@ -57,7 +57,7 @@ def test_restore_carries_the_disk_tier(smollm2, prompts, tmp_path):
     restored = make_engine(smollm2, **tiers, disk_cache_dir=str(tmp_path / "disk_b"))  # another folder: same cache
     assert restore_snapshot(restored, tmp_path / "snap") == step
     assert restored.manager.state_dict() == engine.manager.state_dict()
-    for mine, theirs in zip(restored.host_pool.disk, engine.host_pool.disk):
+    for (_, _, mine), (_, _, theirs) in zip(restored.host_pool.pools(), engine.host_pool.pools()):
         np.testing.assert_array_equal(mine, theirs)
     query = list(prompts[0]) + [30, 31, 32]
     [warm] = restored.generate([query], GREEDY)

@@ -112,6 +112,11 @@ class ChunkStore:
             raise ValueError("variant='system' needs the shared prefix_tokens")
         if not engine.kv_config.enable_block_reuse:
             raise ValueError("kv_cache_config.enable_block_reuse=False: chunks cannot be stored as reusable blocks")
+        if engine.uses_manager_v2:
+            raise ValueError(
+                "a ChunkStore needs the V1 manager: CacheBlend chunks are not supported by Manager V2 "
+                "(use_kv_cache_manager_v2, or 'auto' choosing V2); build the engine with use_kv_cache_manager_v2='false'"
+            )
         self.engine = engine
         self.variant = variant
         self.retention = retention
@@ -182,7 +187,7 @@ class ChunkStore:
             return len(tokens)
         rid = self.engine.submit(
             self.stored_tokens(tokens), SamplingParams(max_new_tokens=1, ignore_eos=True),
-            retention=self.retention, cache_salt=self.salt, request_id=f"{self.salt}/store-{next(self._ids)}",
+            retention=self.retention, cache_salt=self.salt, request_id=InternalScope(f"{self.salt}/store-{next(self._ids)}"),
         )
         record = self.engine.requests[rid]
         while not record.finished:

@@ -49,7 +49,7 @@ import numpy as np
 
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
-from kvjax.blend.selection import Roles, SelectionConfig, estimated_rows, plan, round_up
+from kvjax.blend.selection import Roles, SelectionConfig, check_scores, estimated_rows, plan, round_up
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
 from kvjax.engine import Engine, table_width
@@ -122,8 +122,16 @@ class ChunkReuse:
                 raise ValueError(f"chunks.{field}={value!r} must be an int in [{low}, {high if high is not None else 'inf'})")
         if self.scope is not None and not (isinstance(self.scope, str) and self.scope):
             raise ValueError(f"chunks.scope={self.scope!r} must be None or a non-empty str")
-        if self.selection.selector == "oracle" and self.scores is None:
-            raise ValueError("chunks.selection.selector='oracle' needs chunks.scores")
+        num_layers = engine.model.config.num_layers
+        if self.selection.check_layers and max(self.selection.check_layers) >= num_layers:
+            raise ValueError(
+                f"chunks.selection.check_layers={self.selection.check_layers} must be < num_layers={num_layers} "
+                f"of the model {engine.model.config.name!r}"
+            )
+        if self.selection.selector == "oracle":
+            if self.scores is None:
+                raise ValueError("chunks.selection.selector='oracle' needs chunks.scores")
+            check_scores(self.scores, num_layers, n, "chunks.scores")
 
     def num_rows(self, num_tokens: int, num_layers: int) -> int:
         """Rows the prefill recomputes, averaged over layers (the scheduler's charge)."""

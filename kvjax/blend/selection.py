@@ -270,6 +270,16 @@ def select_epic(roles: Roles, ratio: float, row_bucket: int) -> Selection:
     return select_fixed(roles, np.concatenate(chosen or [np.zeros(0, int)]), row_bucket)
 
 
+def check_scores(scores: np.ndarray, num_layers: int, num_tokens: int, field: str = "scores") -> None:
+    """Raises ValueError naming ``field`` unless the oracle's ``scores`` are [num_layers, >=
+    num_tokens] and finite over the first ``num_tokens`` tokens."""
+    scores = np.asarray(scores)
+    if scores.ndim != 2 or scores.shape[0] != num_layers or scores.shape[1] < num_tokens:
+        raise ValueError(f"{field} has shape {scores.shape}; the oracle needs [num_layers={num_layers}, >= {num_tokens} tokens]")
+    if not np.isfinite(scores[:, :num_tokens]).all():
+        raise ValueError(f"{field} must be finite over the prompt's {num_tokens} tokens (NaN or inf found)")
+
+
 def select_oracle(roles: Roles, ratio: float, true_deviation: np.ndarray, row_bucket: int) -> Selection:
     """The tokens with the highest true deviation (known only after a full recompute).
 
@@ -352,6 +362,7 @@ def plan(
     elif name == "oracle":
         if scores is None:
             raise ValueError("selector 'oracle' needs scores (the true deviation [L, T] from full recompute)")
+        check_scores(scores, num_layers, roles.num_tokens)
         sel = select_oracle(roles, ratio, scores, row_bucket)
     elif name == "none":
         sel = select_none(roles, row_bucket)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import pathlib
 from collections.abc import Sequence
 
 import jax
@@ -173,9 +172,17 @@ class CacheLayout:
                         f"{budget:,}-byte share, fewer than the {need} one max_seq_len={max_seq_len} sequence needs; "
                         f"give it a larger share or raise max_tokens / free_gpu_memory_fraction"
                     )
-        num_host_pages = kv_config.host_cache_size // probe.bytes_per_block
-        require_fits(kv_config, size, num_host_pages * probe.bytes_per_block)
-        num_disk_pages = kv_config.disk_cache_size // probe.bytes_per_block if num_host_pages else 0
+        block = probe.bytes_per_block
+        for field in ("host_cache_size", "disk_cache_size"):
+            value = getattr(kv_config, field)
+            if 0 < value < block:
+                raise ConfigError(
+                    f"kv_cache_config.{field}={value:,} holds no block: one block (a page of every layer group) "
+                    f"takes {block:,} bytes here; use 0 (no tier) or at least {block:,}"
+                )
+        num_host_pages = kv_config.host_cache_size // block
+        require_fits(kv_config, size, num_host_pages * block)
+        num_disk_pages = kv_config.disk_cache_size // block
         layout = dataclasses.replace(
             probe, num_pages=num_pages, num_host_pages=num_host_pages, num_disk_pages=num_disk_pages
         )
@@ -295,20 +302,6 @@ class CacheLayout:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
-
-    def disk_pages(self, group: int, num_pages: int, folder: pathlib.Path) -> np.ndarray | QuantizedPages:
-        """A disk pool for ``group``: ``host_zeros``'s arrays, each memory-mapped from a new file
-        in ``folder`` (``disk_g<group>_<leaf>.bin``, sparse until written), so the host-pool
-        page functions read and write it unchanged and the OS page cache decides what stays
-        in memory."""
-        host = self.host_zeros(group, 0)
-        leaves, treedef = jax.tree.flatten(host)
-        mapped = [
-            np.memmap(folder / f"disk_g{group:03d}_{i}.bin", dtype=leaf.dtype, mode="w+",
-                      shape=(*leaf.shape[:2], num_pages, *leaf.shape[3:]))
-            for i, leaf in enumerate(leaves)
-        ]
-        return jax.tree.unflatten(treedef, mapped)
 
     def host_zeros(self, group: int, num_pages: int) -> np.ndarray | QuantizedPages:
         """A host (numpy) pool for ``group`` of ``num_pages`` pages, K and V stacked on axis 0:

@@ -25,7 +25,7 @@ Eviction rules and their reasons:
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvjax.manager.eviction import EvictionQueue
 from kvjax.manager.events import EventBuffer, EventKind
@@ -34,6 +34,53 @@ from kvjax.manager.radix_tree import Block, RadixTree
 from kvjax.manager.retention import ExpiryQueue
 from kvjax.manager.stats import CacheStats
 from kvjax.manager.tiers import PageOp, Tier, should_offload
+
+
+class FreeList:
+    """The free page ids of one pool, handed out first in, first out.
+
+    Ids never handed out are a range ``[next, stop)`` rather than entries, so an empty pool of
+    any size costs no memory per page; returned ids queue behind that range (the order of a
+    deque that starts as ``range(start, stop)``).
+
+    Args:
+      start, stop: the pool's first and past-the-last page id.
+    """
+
+    __slots__ = ("next", "stop", "returned")
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.next = start
+        self.stop = max(start, stop)
+        self.returned: collections.deque[int] = collections.deque()
+
+    def __len__(self) -> int:
+        return self.stop - self.next + len(self.returned)
+
+    def __bool__(self) -> bool:
+        return self.next < self.stop or bool(self.returned)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(self.next, self.stop)
+        yield from self.returned
+
+    def popleft(self) -> int:
+        if self.next < self.stop:
+            self.next += 1
+            return self.next - 1
+        return self.returned.popleft()
+
+    def append(self, page: int) -> None:
+        self.returned.append(page)
+
+    def state(self) -> list:
+        """[next, stop, returned ids] (``load_state`` reads it back)."""
+        return [self.next, self.stop, list(self.returned)]
+
+    def load_state(self, state: list) -> None:
+        next_, stop, returned = state
+        self.next, self.stop = int(next_), int(stop)
+        self.returned = collections.deque(int(p) for p in returned)
 
 
 class BlockPool:
@@ -81,13 +128,15 @@ class BlockPool:
         self._events_on = events.enabled
         """Events on (the buffer's capacity never changes): checked before building one."""
         self.stats = stats
+        self.disk_check: Callable[[int, int], bool] | None = None
+        """(group, disk page) -> whether the page is intact (``KVCacheManager.attach_disk_check``)."""
         self._empty()
 
     def _empty(self) -> None:
         """Every page free, no cached block."""
-        self.device_free: collections.deque[int] = collections.deque(range(1, self.num_device_pages))
-        self.host_free: collections.deque[int] = collections.deque(range(self.num_host_pages))
-        self.disk_free: collections.deque[int] = collections.deque(range(self.num_disk_pages))
+        self.device_free = FreeList(1, self.num_device_pages)
+        self.host_free = FreeList(0, self.num_host_pages)
+        self.disk_free = FreeList(0, self.num_disk_pages)
         self.tree = RadixTree()
         self.device_queue = EvictionQueue()
         self.host_queue = EvictionQueue()
@@ -138,7 +187,7 @@ class BlockPool:
             return self.device_queue
         return self.host_queue if block.tier is Tier.HOST else self.disk_queue
 
-    def _free_pages(self, tier: Tier) -> collections.deque[int]:
+    def _free_pages(self, tier: Tier) -> FreeList:
         """The free list of a tier's pool."""
         if tier is Tier.DEVICE:
             return self.device_free
@@ -310,6 +359,16 @@ class BlockPool:
                 parent = self.tree.get(node.parent_key)
                 if parent is not None and self.tree_rule:
                     self.requeue(parent)
+
+    def intact(self, block: Block) -> bool:
+        """Whether a matched block can be reused: True unless it sits on the disk tier and its
+        page fails the disk check; then the block (with its subtree in full groups) is dropped
+        ("removed" events) and counted in ``lost_disk_pages``. The block must be unreferenced."""
+        if block.tier is not Tier.DISK or self.disk_check is None or self.disk_check(self.group, block.page):
+            return True
+        self.stats.lost_disk_pages += 1
+        self._drop(block)
+        return False
 
     def _count_onboard(self, tier: Tier) -> None:
         self.stats.onboarded_pages += 1

@@ -23,7 +23,7 @@ import operator
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import blake3
 
@@ -128,13 +128,14 @@ def hash_items(items: Sequence[MultimodalItem], prompt_len: int) -> tuple[Hashed
 
 
 class InternalScope(str):
-    """A cache scope of kvjax itself (a chunk store, a blend scope), passed wherever a
-    ``cache_salt`` goes.
+    """A name of kvjax itself: a cache scope (a chunk store, a blend scope), passed wherever a
+    ``cache_salt`` goes, or the id of a request kvjax submits for itself (a chunk store's).
 
     Its root is hashed under its own domain tag, so a user's ``cache_salt`` string, whatever
     its characters, never yields the root of an internal scope. An ``InternalScope`` equals
     (and hashes like) only an ``InternalScope`` of the same text, so dicts keyed by salt keep
-    ``InternalScope("chunk:pos0")`` and the user salt ``"chunk:pos0"`` apart.
+    ``InternalScope("chunk:pos0")`` and the user salt ``"chunk:pos0"`` apart, and a user's
+    ``request_id`` never names, replaces or aborts an internal request.
     """
 
     __slots__ = ()
@@ -234,8 +235,12 @@ def check_token_ids(token_ids: Sequence[int], field: str, vocab_size: int | None
     Integer-like ids (numpy scalars) are converted; bools and anything else are rejected.
     Ids must lie in [0, vocab_size) when ``vocab_size`` is given, else in [0, MAX_TOKEN_ID].
     """
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-        raise ValueError(f"{field} must be a sequence of int token ids, got {type(token_ids).__name__}")
+    if isinstance(token_ids, (str, bytes, Set, Mapping)) or not hasattr(token_ids, "__iter__"):
+        raise ValueError(
+            f"{field} must be a sequence of int token ids (a list, tuple or 1-D array), got {type(token_ids).__name__}"
+        )
+    if getattr(token_ids, "ndim", 1) != 1:
+        raise ValueError(f"{field} must be 1-D, got an array of shape {token_ids.shape}")
     high = MAX_TOKEN_ID if vocab_size is None else min(vocab_size - 1, MAX_TOKEN_ID)
     ids = token_ids if type(token_ids) is tuple else tuple(
         token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids

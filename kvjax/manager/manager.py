@@ -475,6 +475,22 @@ class KVCacheManager:
         snapshots.bind(self._events, len(self.pools), lambda key: any(key in pool.tree.blocks for pool in self.pools))
         self.state_snapshots = snapshots
 
+    def attach_disk_check(self, check: Callable[[int, int], bool]) -> None:
+        """Sets the disk tier's page check, ``check(group, page) -> intact``: a disk block is
+        reused only after its page passes it, and dropped (then recomputed) when it fails."""
+        for pool in self.pools:
+            pool.disk_check = check
+
+    def drop_lost_disk_blocks(self) -> int:
+        """Checks every unreferenced disk block's page and drops the lost ones (before a
+        snapshot saves the tier); returns how many blocks were dropped, subtrees included."""
+        before = sum(len(pool.tree.blocks) for pool in self.pools)
+        for pool in self.pools:
+            for block in [b for b in pool.tree.blocks.values() if b.tier is Tier.DISK]:
+                if block.key in pool.tree.blocks and block.ref_count == 0:
+                    pool.intact(block)
+        return before - sum(len(pool.tree.blocks) for pool in self.pools)
+
     def clear_cache(self) -> None:
         """Forgets every cached block (event "all_cleared" per group); no request may be active."""
         if self._sequences:
@@ -611,6 +627,8 @@ class KVCacheManager:
                 hit = cached.get(key)  # the digest, then its parent and tokens (a hash collision must not match)
                 if hit is not None and (hit.parent_key != parent or hit.token_ids != prompt[b * ps : (b + 1) * ps]):
                     hit = None
+                if hit is not None and not pool.intact(hit):
+                    hit = None
                 hits.append(hit)
                 missing.append(missing[-1] + (hit is None))
                 parent = key
@@ -677,6 +695,8 @@ class KVCacheManager:
         best: Block | None = None
         best_count = 0
         for block in candidates:
+            if not pool.intact(block):
+                continue
             if not self.config.copy_on_partial_reuse and block.tier is Tier.DEVICE and not pool.can_take_in_place(block):
                 continue
             count = 0

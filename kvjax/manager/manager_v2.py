@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,44 @@ class KVCacheManagerV2:
     @property
     def max_seqs(self) -> int:
         return self.states[0].max_seqs
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        return self.layout.layer_windows
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        """Distinct windows in order of first appearance; group g holds the layers of window g."""
+        return self.layout.group_windows
+
+    @property
+    def num_host_pages(self) -> int:
+        """0: V2 has no host tier."""
+        return 0
+
+    @property
+    def num_disk_pages(self) -> int:
+        """0: V2 has no disk tier."""
+        return 0
+
+    def num_cached_blocks(self, group: int, tier: str = "device") -> int:
+        """Indexed (reusable) blocks of ``group`` on ``tier`` ("device", "host" or "disk"; V2
+        caches on the device only)."""
+        if tier not in ("device", "host", "disk"):
+            raise ValueError(f"tier={tier!r} must be 'device', 'host' or 'disk'")
+        return int(np.asarray(self.states[group].indexed).sum()) if tier == "device" else 0
+
+    def get_kv_cache_events(self) -> list:
+        """Not in V2: raises ``NotImplementedError`` naming the switch."""
+        _v1_only("get_kv_cache_events", "KV cache events")
+
+    def state_dict(self) -> dict:
+        """Not in V2: raises ``NotImplementedError`` naming the switch."""
+        _v1_only("state_dict", "snapshots of the manager state")
+
+    def clear_cache(self) -> None:
+        """Not in V2: raises ``NotImplementedError`` naming the switch."""
+        _v1_only("clear_cache", "clearing the cache")
 
     @property
     def stats(self) -> CacheStats:
@@ -285,3 +324,10 @@ class KVCacheManagerV2:
 
 
 __all__ = ["KVCacheManagerV2"]
+
+
+def _v1_only(call: str, feature: str) -> NoReturn:
+    raise NotImplementedError(
+        f"{call}: {feature} are not supported by Manager V2 (use_kv_cache_manager_v2, or 'auto' choosing V2 for this "
+        "engine); build the engine with KvCacheConfig(use_kv_cache_manager_v2='false') to use them"
+    )

@@ -28,7 +28,7 @@ from kvjax.manager.tiers import PageOp, Tier
 if TYPE_CHECKING:
     from kvjax.manager.manager import KVCacheManager
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """3: the layout holds device pages and bytes per page of every group."""
 
 
@@ -73,9 +73,9 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
         ids.append(index)
         pools.append(
             {
-                "device_free": list(pool.device_free),
-                "host_free": list(pool.host_free),
-                "disk_free": list(pool.disk_free),
+                "device_free": pool.device_free.state(),
+                "host_free": pool.host_free.state(),
+                "disk_free": pool.disk_free.state(),
                 "blocks": [
                     {
                         "page": b.page,
@@ -198,12 +198,9 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
         raise ValueError(f"{len(state['pools'])} pools in the snapshot, {len(mgr.pools)} layer groups here")
     all_blocks: list[list[Block]] = []
     for pool, saved in zip(mgr.pools, state["pools"]):
-        pool.device_free.clear()
-        pool.device_free.extend(int(p) for p in saved["device_free"])
-        pool.host_free.clear()
-        pool.host_free.extend(int(p) for p in saved["host_free"])
-        pool.disk_free.clear()
-        pool.disk_free.extend(int(p) for p in saved["disk_free"])
+        pool.device_free.load_state(saved["device_free"])
+        pool.host_free.load_state(saved["host_free"])
+        pool.disk_free.load_state(saved["disk_free"])
         blocks = []
         for row in saved["blocks"]:
             block = Block(page=int(row["page"]), tier=Tier[row["tier"].upper()], ref_count=int(row["ref_count"]))

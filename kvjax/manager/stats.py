@@ -51,6 +51,8 @@ class CacheStats:
         device): page operations queued, per kind.
       offloaded_bytes, spilled_bytes, onboarded_bytes, disk_onboarded_bytes, copied_bytes: the
         same in bytes (bytes_per_page).
+      lost_disk_pages: disk blocks dropped because their page failed its check (damaged,
+        truncated or unwritten file); each is recomputed by the request that wanted it.
     """
 
     num_requests: int = 0
@@ -72,6 +74,7 @@ class CacheStats:
     onboarded_bytes: int = 0
     disk_onboarded_bytes: int = 0
     copied_bytes: int = 0
+    lost_disk_pages: int = 0
 
     @property
     def token_hit_rate(self) -> float:

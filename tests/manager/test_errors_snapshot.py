@@ -9,6 +9,7 @@ import pytest
 
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.manager import KVCacheManager, MultimodalItem, SnapshotError
+from kvjax.manager.state import FORMAT_VERSION
 
 
 def _busy(make, run):
@@ -93,7 +94,7 @@ def test_snapshot_round_trips_through_json_and_behaves_identically(make, run, cl
 def test_snapshot_refuses_other_version_config_layout_and_damage(make, run, clock):
     mgr = _busy(make, run)
     state = mgr.state_dict()
-    with pytest.raises(SnapshotError, match=r"format_version=99, this kvjax reads version 3"):
+    with pytest.raises(SnapshotError, match=rf"format_version=99, this kvjax reads version {FORMAT_VERSION}"):
         _restore(mgr, {**state, "format_version": 99}, clock)
     other = KvCacheConfig(**{**state["config"], "max_attention_window": None, "copy_on_partial_reuse": False})
     with pytest.raises(SnapshotError, match=r"differing fields: copy_on_partial_reuse \(snapshot True, now False\)"):
@@ -101,7 +102,7 @@ def test_snapshot_refuses_other_version_config_layout_and_damage(make, run, cloc
     with pytest.raises(SnapshotError, match=r"layout"):
         _restore(mgr, state, clock, num_pages=(7, 7))
     damaged = json.loads(json.dumps(state))
-    damaged["pools"][0]["device_free"].append(damaged["pools"][0]["blocks"][0]["page"])
+    damaged["pools"][0]["device_free"][2].append(damaged["pools"][0]["blocks"][0]["page"])
     with pytest.raises(SnapshotError, match=r"damaged: group 0: device pages leaked or double-owned"):
         _restore(mgr, damaged, clock)
     truncated = json.loads(json.dumps(state))

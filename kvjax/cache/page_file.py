@@ -1,0 +1,160 @@
+"""``PageFile``: one layer group's disk-tier pages in a file, each page verified when read.
+
+The file holds one fixed-size record per page: record ``p`` starts at byte ``p * record_bytes``
+and is the page's slice of every leaf of the host-pages layout (``kvjax.cache.host_pool``), in
+leaf order, C order: [2, group_layers, tokens_per_block, num_kv_heads, head_dim] values and, for
+a quantized dtype, [2, group_layers, scale_slots, num_kv_heads] float32 scales. Each write
+keeps the record's BLAKE3 digest in memory; a read returns a page only if its bytes still hash
+to that digest.
+
+Reads go through ``os.pread`` on a descriptor held open, never through a memory map: a file
+that another process truncated, zeroed or damaged gives a short read or a digest mismatch, never
+a fault, and a deleted folder leaves the open file readable. Such a page is *lost*: ``check``
+says so, and the manager drops its block and recomputes it. A write that fails (a full disk,
+a file-size limit) loses the page it was writing instead of raising; ``write_errors`` counts them.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import blake3
+import jax
+import numpy as np
+
+_DIGEST_BYTES = 16
+
+
+class LostPageError(RuntimeError):
+    """A disk page was read that ``check`` had not passed in this step (it changed meanwhile)."""
+
+
+class PageFile:
+    """One group's disk-tier pages (the record layout is in the module docstring).
+
+    Args:
+      path: the page file (created, empty and sparse; removed by ``close``).
+      template: a one-page host pool of the group (``CacheLayout.host_zeros(group, 1)``): its
+        leaves give the record's parts, their shapes and dtypes.
+      num_pages: pages in the file (ids 0 .. num_pages - 1).
+    """
+
+    def __init__(self, path: pathlib.Path, template: np.ndarray | object, num_pages: int) -> None:
+        self.path = path
+        self.num_pages = num_pages
+        self._template = template
+        self._parts = [(leaf.shape[:2] + leaf.shape[3:], leaf.dtype) for leaf in jax.tree.leaves(template)]
+        """Per leaf, (shape of one page's slice, dtype)."""
+        self.record_bytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in self._parts)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._digests: dict[int, bytes] = {}
+        """Page id -> digest of its last successful write (absent: never written, or lost)."""
+        self._checked: dict[int, bytes] = {}
+        """Records that passed ``check`` since the last ``end_step``: what ``read`` serves."""
+        self.write_errors = 0
+        """Writes that failed (their pages are lost)."""
+        self.lost_pages = 0
+        """Pages found damaged or missing by ``check``."""
+
+    def close(self) -> None:
+        """Closes and removes the file (idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self.path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ records
+
+    def _record(self, kv: object, i: int) -> bytes:
+        """Page ``i`` of ``kv`` (host-pages layout) as one record."""
+        return b"".join(np.ascontiguousarray(leaf[:, :, i]).tobytes() for leaf in jax.tree.leaves(kv))
+
+    def _pages(self, records: list[bytes | None], num_pages: int) -> object:
+        """Records as host pages [2, L, num_pages, ...] (missing records and the padding zero)."""
+        out = [np.zeros((*shape[:2], num_pages, *shape[2:]), dtype) for shape, dtype in self._parts]
+        for i, record in enumerate(records):
+            if record is None:
+                continue
+            offset = 0
+            for leaf, (shape, dtype) in zip(out, self._parts):
+                size = int(np.prod(shape)) * dtype.itemsize
+                leaf[:, :, i] = np.frombuffer(record, dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+                offset += size
+        return jax.tree.unflatten(jax.tree.structure(self._template), out)
+
+    def _read_verified(self, page: int) -> bytes | None:
+        digest = self._digests.get(page)
+        if digest is None:
+            return None
+        try:
+            record = os.pread(self._fd, self.record_bytes, page * self.record_bytes)
+        except OSError:
+            return None
+        if len(record) != self.record_bytes or blake3.blake3(record).digest(_DIGEST_BYTES) != digest:
+            return None
+        return record
+
+    # ------------------------------------------------------------------ the tier's operations
+
+    def write(self, slots: np.ndarray, kv: object) -> None:
+        """Writes page ``i`` of ``kv`` (host-pages layout) to page ``slots[i]``, for every slot."""
+        for i, page in enumerate(int(s) for s in slots):
+            self._checked.pop(page, None)
+            self._digests.pop(page, None)
+            record = self._record(kv, i)
+            try:
+                written = os.pwrite(self._fd, record, page * self.record_bytes)
+            except OSError:
+                written = -1
+            if written != len(record):
+                self.write_errors += 1
+                continue
+            self._digests[page] = blake3.blake3(record).digest(_DIGEST_BYTES)
+
+    def check(self, page: int) -> bool:
+        """Whether ``page`` still holds what was last written to it. A page that passes is kept
+        for ``read`` until ``end_step``; a page that fails is lost until written again."""
+        if page in self._checked:
+            return True
+        record = self._read_verified(page)
+        if record is None:
+            if self._digests.pop(page, None) is not None:
+                self.lost_pages += 1
+            return False
+        self._checked[page] = record
+        return True
+
+    def read(self, slots: np.ndarray, num_pages: int) -> object:
+        """Pages ``slots`` as host pages, zero-padded to ``num_pages`` pages; each must have
+        passed ``check`` in this step (or pass it now).
+
+        Raises:
+          LostPageError: a page is damaged (it changed after the manager matched it).
+        """
+        records = []
+        for page in (int(s) for s in slots):
+            if not self.check(page):
+                raise LostPageError(f"disk page {page} of {str(self.path)!r} changed after it was checked")
+            records.append(self._checked[page])
+        return self._pages(records, num_pages)
+
+    def end_step(self) -> None:
+        """Forgets the records kept by ``check`` (the step's onboards have read them)."""
+        self._checked.clear()
+
+    def read_all(self) -> object:
+        """Every page as host pages (lost or never written pages zero), for a snapshot."""
+        return self._pages([self._read_verified(p) for p in range(self.num_pages)], self.num_pages)
+
+    def write_all(self, saved: object) -> None:
+        """Overwrites every page with ``saved`` (host pages of ``num_pages`` pages).
+
+        Raises:
+          ValueError: ``saved`` has other shapes or dtypes than this file's pages.
+        """
+        for leaf, (shape, dtype) in zip(jax.tree.leaves(saved), self._parts):
+            want = (*shape[:2], self.num_pages, *shape[2:])
+            if leaf.shape != want or leaf.dtype != dtype:
+                raise ValueError(f"saved disk pages have shape {leaf.shape} {leaf.dtype}, the page file {want} {dtype}")
+        self.write(np.arange(self.num_pages), saved)
