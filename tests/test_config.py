@@ -74,6 +74,8 @@ def test_yaml_in_the_seed_shape():
         load_llm_config({"kv_cache_config": {"enable_reuse": True}})
     with pytest.raises(ConfigError, match=r"unknown section\(s\) \['kv_cache'\]"):
         load_llm_config({"kv_cache": {}})
+    with pytest.raises(ConfigError, match=r"duplicate key 'enable_block_reuse' at line 3 of the config"):
+        load_llm_config("kv_cache_config:\n  enable_block_reuse: true\n  enable_block_reuse: false\n")
 
 
 def test_scheduler_config_rejects():

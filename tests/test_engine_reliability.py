@@ -67,7 +67,9 @@ def test_bad_request_fields_are_rejected_at_submit(model, alone, kwargs, message
         ([1, True, 3], r"prompt_token_ids\[1\]=True must be an int token id in \[0, 96\]"),
         (np.array([1.0, 2.0]), r"prompt_token_ids\[0\]=1.0 must be an int token id in \[0, 96\]"),
         (np.array([[1, 2]]), r"must be a 1-D sequence of token ids, got shape \(1, 2\)"),
-        ("hello", r"must be a sequence of int token ids, got str"),
+        ("hello", r"must be a sequence of int token ids \(a list, tuple or 1-D array\), got str"),
+        ({1: 0, 2: 0}, r"must be a sequence of int token ids .*, got dict"),
+        ({1, 2, 3}, r"must be a sequence of int token ids .*, got set"),
         ([], r"must not be empty"),
         ([1, 97], r"prompt_token_ids\[1\]=97 must be an int token id in \[0, 96\]"),
         ([-1], r"prompt_token_ids\[0\]=-1 must be an int token id"),
@@ -240,3 +242,54 @@ def test_sizes_beyond_the_machine_are_refused_before_allocating(model):
         Engine(model, KvCacheConfig(tokens_per_block=4, max_tokens=512, host_cache_size=10**15), max_seq_len=64)
     with pytest.raises(ConfigError, match=r"kv_cache_config.free_memory_bytes: the device cache needs .* bytes are free"):
         Engine(model, KvCacheConfig(tokens_per_block=4, free_memory_bytes=10**16), max_seq_len=64)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(max_seq_len=0), r"max_seq_len=0 must be None \(the model's 2048\) or an int in \[1, 2048\]"),
+        (dict(max_seq_len=2049), r"max_seq_len=2049 must be None"),
+        (dict(max_seq_len=64, attn_impl="bogus"), r"attn_impl='bogus' must be one of \('auto', 'blocked', 'reference', 'interpret'\)"),
+    ],
+)
+def test_engine_arguments_are_refused_at_construction(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(model, KvCacheConfig(tokens_per_block=4, max_tokens=512), **kwargs)
+
+
+def test_abort_takes_one_request_id(model, alone):
+    engine = make_engine(model)
+    rid = engine.submit(PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match=r"request_id=\['x'\] must be a str \(one request per call\)"):
+        engine.abort(["x"])
+    assert engine.run()[0].output == alone[0] and engine.output(rid).finish_reason == "length"
+
+
+def test_v2_engines_name_what_they_do_not_support(model):
+    from kvjax.blend.chunk_store import ChunkStore
+
+    engine = make_engine_v2(model)
+    [out] = engine.generate([PROMPTS[0]], GREEDY)
+    assert engine.manager.num_cached_blocks(0) == 3 and engine.manager.num_cached_blocks(0, "host") == 0  # 12 of 13 tokens
+    assert engine.manager.group_windows == engine.layout.group_windows
+    with pytest.raises(NotImplementedError, match=r"KV cache events are not supported by Manager V2 \(use_kv_cache_manager_v2"):
+        engine.manager.get_kv_cache_events()
+    with pytest.raises(ValueError, match=r"a ChunkStore needs the V1 manager: .*use_kv_cache_manager_v2='false'"):
+        ChunkStore(engine, variant="pos0")
+    assert engine.generate([PROMPTS[0]], GREEDY)[0].output == out.output
+
+
+def make_engine_v2(model: Model) -> Engine:
+    kv = KvCacheConfig(tokens_per_block=4, max_tokens=512, use_kv_cache_manager_v2="true")
+    return Engine(model, kv, SchedulerConfig(max_num_tokens=64, prefill_chunk_size=32), max_seq_len=64)
+
+
+def test_a_state_pool_beyond_the_machine_names_max_snapshots():
+    from kvjax.config import MambaStateConfig
+    from kvjax.testing.tiny import init_params, tiny_hybrid_config
+
+    cfg = tiny_hybrid_config()
+    hybrid = Model(config=cfg, params=init_params(cfg, 0), tokenizer=None, path=pathlib.Path("tiny-hybrid"))
+    kv = KvCacheConfig(tokens_per_block=4, max_tokens=512, mamba_state_config=MambaStateConfig(max_snapshots=10**9))
+    with pytest.raises(ConfigError, match=r"mamba_state_config.max_snapshots=1,000,000,000: the recurrent-state pool"):
+        Engine(hybrid, kv, max_seq_len=64)

@@ -196,3 +196,32 @@ def test_array_digest_reads_bfloat16_and_tells_dtypes_apart():
     bf16 = np.ones(4, ml_dtypes.bfloat16)
     as_f16 = bf16.view(np.float16)  # the same bytes, another dtype
     assert snapshot._arrays_digest({"x": bf16}) != snapshot._arrays_digest({"x": as_f16})
+
+
+def test_a_refused_restore_changes_nothing(model, busy, tmp_path):
+    save_snapshot(busy, tmp_path)
+    kv = KvCacheConfig(tokens_per_block=4, max_tokens=4 * 12, use_kv_cache_manager_v2="true")
+    v2 = Engine(model, kv, SchedulerConfig(max_num_tokens=64, prefill_chunk_size=32), max_seq_len=32)
+    prompt = list(range(1, 14))
+    [first] = v2.generate([prompt], GREEDY)
+    with pytest.raises(ValueError, match=r"restore_snapshot is not supported with use_kv_cache_manager_v2"):
+        restore_snapshot(v2, tmp_path)
+    with pytest.raises(ValueError, match=r"save_snapshot is not supported with use_kv_cache_manager_v2"):
+        save_snapshot(v2, tmp_path / "v2")
+    [again] = v2.generate([prompt], GREEDY)
+    assert again.output == first.output and again.num_reused_tokens == 12
+
+
+def test_the_latest_complete_step_is_restored_past_an_empty_one(model, busy, tmp_path):
+    step = save_snapshot(busy, tmp_path)
+    (tmp_path / str(step + 4)).mkdir()  # a step folder a crash or an operator left empty
+    state, arrays = busy.manager.state_dict(), cache_arrays(busy)
+    restored = make_engine(model)
+    assert restore_snapshot(restored, tmp_path) == step
+    assert_same_cache(restored, state, arrays)
+
+
+def test_a_snapshot_that_cannot_be_written_names_the_folder(busy, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SnapshotError, match=r"cannot write a snapshot under '.*/file/snap'"):
+        save_snapshot(busy, tmp_path / "file" / "snap")

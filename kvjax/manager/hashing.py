@@ -239,8 +239,6 @@ def check_token_ids(token_ids: Sequence[int], field: str, vocab_size: int | None
         raise ValueError(
             f"{field} must be a sequence of int token ids (a list, tuple or 1-D array), got {type(token_ids).__name__}"
         )
-    if getattr(token_ids, "ndim", 1) != 1:
-        raise ValueError(f"{field} must be 1-D, got an array of shape {token_ids.shape}")
     high = MAX_TOKEN_ID if vocab_size is None else min(vocab_size - 1, MAX_TOKEN_ID)
     ids = token_ids if type(token_ids) is tuple else tuple(
         token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax.blend.blender import FULL_RECOMPUTE
+from kvjax.blend.engine_blend import ChunkReuse
 from kvjax.blend.selection import SelectionConfig, target_count
 from kvjax.sampling import SamplingParams
 from kvjax.testing.blend import make_blender, random_prompt, submit_blended
@@ -133,3 +134,36 @@ def test_an_untraced_run_reports_the_rows_each_layer_recomputed(setup):
     np.testing.assert_array_equal(plain.report.recomputed, np.asarray(traced.trace["recomputed"])[:, :n])
     np.testing.assert_array_equal(plain.logits, traced.logits)
     assert plain.report.recomputed[:, prompt.roles.suffix_start:].all()  # the suffix, in every layer
+
+
+def test_a_user_request_id_never_names_an_internal_request(tiny):
+    """A user's request id equal to the chunk store's internal one keeps its own output."""
+    cfg, params = tiny
+    prompt = random_prompt(np.random.default_rng(3), cfg.vocab_size, 7, [40, 33], 9)
+    blender = make_blender(cfg, params, prompt)
+    engine, store = blender.engine, blender.store
+    name = f"{store.salt}/store-{store.stats.puts}"
+    rid = engine.submit(prompt.tokens[:20].tolist(), SamplingParams(max_new_tokens=2, ignore_eos=True), request_id=name)
+    engine.run()
+    before = engine.output(rid)
+    store.put(prompt.tokens[40:60].tolist())
+    assert engine.output(name).output == before.output and engine.output(name).finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(selection=SelectionConfig(selector="cacheblend", check_layers=(1, 9), budgets=(2.0, 1.0))),
+         r"chunks.selection.check_layers=\(1, 9\) must be < num_layers=4"),
+        (dict(selection=SelectionConfig(selector="oracle"), scores=np.ones((1, 1))),
+         r"chunks.scores has shape \(1, 1\); the oracle needs \[num_layers=4, >= 139 tokens\]"),
+        (dict(selection=SelectionConfig(selector="oracle"), scores=np.full((4, 139), np.nan)),
+         r"chunks.scores must be finite over the prompt's 139 tokens"),
+    ],
+)
+def test_chunk_fields_that_cannot_run_are_refused_at_submit(setup, change, message):
+    _, prompt, blender, _ = setup
+    chunks = dataclasses.replace(ChunkReuse(blender.store, prompt.roles.chunk_spans), **change)
+    with pytest.raises(ValueError, match=message):
+        blender.engine.submit(prompt.tokens.tolist(), SamplingParams(max_new_tokens=1), chunks=chunks)
+    assert not blender.engine.has_work
