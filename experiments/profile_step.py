@@ -317,6 +317,7 @@ def components(engine: Engine, args: StepArgs, full: jax.stages.Compiled, row: s
     return {
         "row": row, "forward_ms": ms["forward"], "attention_ms": ms["attention"], "products_ms": ms["products"],
         "head_ms": ms["head"], "rest_ms": ms["forward"] - ms["attention"] - ms["products"] - ms["head"],
+        "products_flops": flops,
         "products_gflops": flops / ms["products"] / 1e6,
         "products_weight_gb_s": sum(w.nbytes for w in weights) / ms["products"] / 1e6,
     }

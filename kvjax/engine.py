@@ -84,6 +84,7 @@ from kvjax.config import (
 )
 from kvjax.decode import decode_steps
 from kvjax.manager import KVCacheManager, MultimodalItem, PageOp, hashing
+from kvjax.manager.interface import CacheManager
 from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
 from kvjax.manager.state_snapshots import StateSnapshotIndex
@@ -288,7 +289,7 @@ class Engine:
         self.host_pool = HostPool(self.layout, kv_cache_config.disk_cache_dir)
         """The host and disk tiers' pages (written only through its methods); built first, since
         it checks the disk tier against the free space before any structure is sized by it."""
-        self.manager: KVCacheManager | KVCacheManagerV2 = (
+        self.manager: CacheManager = (
             KVCacheManagerV2(kv_cache_config, self.layout, scheduler_config.max_batch_size)
             if self.uses_manager_v2 else KVCacheManager(kv_cache_config, self.layout)
         )

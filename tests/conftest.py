@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 model and the HF transformers reference outputs."""
+"""Shared fixtures: the real SmolLM2 model and the HF transformers reference outputs; the
+``real_model`` mark of the tests that use the model."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def _release_compiled_programs():
     recompiles cheap."""
     yield
     jax.clear_caches()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test that uses the ``smollm2`` fixture (directly or through another fixture)
+    ``real_model``, so ``pytest -m "not real_model"`` is the fast loop; tests that load a model
+    themselves carry the mark in their own module."""
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)
 
 
 @pytest.fixture(scope="session")

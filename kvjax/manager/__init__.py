@@ -3,6 +3,7 @@ windows, events and the prefix-aware scheduler."""
 
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import InternalScope, MultimodalItem, block_key, mm_hash, root_key
+from kvjax.manager.interface import CacheManager
 from kvjax.manager.manager import KVCacheManager, OutOfPagesError
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest, StepPlan
 from kvjax.manager.state import ConsistencyError, SnapshotError
@@ -10,6 +11,7 @@ from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
 
 __all__ = [
+    "CacheManager",
     "CacheStats",
     "ConsistencyError",
     "InternalScope",

@@ -126,6 +126,26 @@ class KVCacheManagerV2:
         """Not in V2: raises ``NotImplementedError`` naming the switch."""
         _v1_only("clear_cache", "clearing the cache")
 
+    def allocate_drafts(self, request_id: str, num_total_tokens: int) -> int:
+        """Not in V2: raises ``NotImplementedError`` naming the switch."""
+        _v1_only("allocate_drafts", "speculative decoding drafts")
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Not in V2: raises ``NotImplementedError`` naming the switch."""
+        _v1_only("rollback", "speculative decoding rollbacks")
+
+    def attach_state_snapshots(self, snapshots: object) -> None:
+        """Not in V2: raises ``NotImplementedError`` naming the switch."""
+        _v1_only("attach_state_snapshots", "recurrent-state snapshots (hybrid models)")
+
+    def attach_disk_check(self, check: object) -> None:
+        """Not in V2: raises ``NotImplementedError`` naming the switch."""
+        _v1_only("attach_disk_check", "disk tiers")
+
+    def drop_lost_disk_blocks(self) -> int:
+        """0: V2 has no disk tier."""
+        return 0
+
     @property
     def stats(self) -> CacheStats:
         """Cumulative reuse counters (live object); V2 counts requests, prompt and reused

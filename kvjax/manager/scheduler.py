@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 
 from kvjax.config import KvCacheRetentionConfig, SchedulerConfig
 from kvjax.manager.hashing import BlockKey, MultimodalItem
-from kvjax.manager.manager import KVCacheManager, OutOfPagesError
-from kvjax.manager.manager_v2 import KVCacheManagerV2
+from kvjax.manager.interface import CacheManager
+from kvjax.manager.manager import OutOfPagesError
 
 
 @dataclasses.dataclass(slots=True)
@@ -49,7 +49,7 @@ class SchedulerRequest:
       prompt_token_ids: the prompt.
       max_new_tokens: tokens to generate, >= 1.
       eos_token_id: generation also stops after sampling this token (None = never).
-      retention, cache_salt, lora_id, mm_items: passed to ``KVCacheManager.add_request``.
+      retention, cache_salt, lora_id, mm_items: passed to ``CacheManager.add_request``.
       num_computed_tokens: tokens whose KV is written (reused prefix included).
       num_reused_tokens: prompt tokens reused at admission.
       output_token_ids: sampled tokens so far.
@@ -119,7 +119,7 @@ class StepPlan:
 class Scheduler:
     """Chooses, per step, which requests prefill (in chunks) and which decode."""
 
-    def __init__(self, config: SchedulerConfig, manager: KVCacheManager | KVCacheManagerV2) -> None:
+    def __init__(self, config: SchedulerConfig, manager: CacheManager) -> None:
         self.config = config
         self.manager = manager
         self.waiting: collections.deque[SchedulerRequest] = collections.deque()

@@ -1,0 +1,127 @@
+"""``CacheManager``: what the scheduler, the engine and the tools call on a KV cache manager.
+
+Two managers implement it: ``KVCacheManager`` (V1, host state: radix tree, tiers, events,
+retention, speculative rollback, recurrent-state snapshots, snapshots of its state) and
+``KVCacheManagerV2`` (allocation state on the device, for the on-device decode loop). V2
+answers every call; the V1-only features raise ``NotImplementedError`` naming
+``use_kv_cache_manager_v2``. The choice between them is made once, by
+``kvjax.engine.choose_manager_v2``; nothing else asks which one it has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from kvjax.config import KvCacheRetentionConfig
+from kvjax.manager.events import KVCacheEvent
+from kvjax.manager.hashing import BlockKey, MultimodalItem
+from kvjax.manager.stats import CacheStats, RequestStats
+from kvjax.manager.tiers import PageOp
+
+if TYPE_CHECKING:
+    from kvjax.manager.state_snapshots import StateSnapshotIndex
+
+
+@runtime_checkable
+class CacheManager(Protocol):
+    """A paged KV cache's bookkeeping: which pages each request holds and which cached blocks
+    a prompt can reuse. Token counts are tokens; ``group`` is a layer-group index."""
+
+    @property
+    def tokens_per_block(self) -> int: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]: ...
+
+    @property
+    def group_windows(self) -> tuple[int, ...]: ...
+
+    @property
+    def stats(self) -> CacheStats: ...
+
+    # ------------------------------------------------------------------ admission and growth
+
+    def prompt_block_keys(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> list[BlockKey]:
+        """Keys of the prompt's full blocks (validates the prompt)."""
+
+    def estimate_reusable_tokens(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> int:
+        """Tokens ``add_request`` would reuse now."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        retention: KvCacheRetentionConfig | None = None,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> int:
+        """Registers a request, reserving its reusable prefix; returns the reused tokens."""
+
+    def allocate(self, request_id: str, num_total_tokens: int) -> None:
+        """Pages for the request's first ``num_total_tokens`` tokens (``OutOfPagesError``: none changed)."""
+
+    def commit_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Records computed tokens; full blocks enter the reuse index."""
+
+    def free_request(self, request_id: str) -> None:
+        """Releases the request's pages (its committed full blocks stay cached)."""
+
+    def allocate_drafts(self, request_id: str, num_total_tokens: int) -> int:
+        """Speculative decoding: pages for draft tokens; returns the drafts that fit."""
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Speculative decoding: forgets the last ``num_tokens`` uncommitted slots."""
+
+    # ------------------------------------------------------------------ what the step reads
+
+    def block_table(self, request_id: str, group: int) -> list[int]:
+        """The request's device page per block of ``group``."""
+
+    def take_page_ops(self) -> list[PageOp]:
+        """Drains the page copies to execute before the next forward."""
+
+    def num_free_pages(self, group: int) -> int: ...
+
+    def num_cached_blocks(self, group: int, tier: str = "device") -> int: ...
+
+    def num_tokens(self, request_id: str) -> int: ...
+
+    def request_stats(self, request_id: str) -> RequestStats: ...
+
+    def request_ids(self) -> list[str]: ...
+
+    # ------------------------------------------------------------------ features and tools
+
+    def get_kv_cache_events(self) -> list[KVCacheEvent]: ...
+
+    def attach_state_snapshots(self, snapshots: StateSnapshotIndex) -> None: ...
+
+    def attach_disk_check(self, check: Callable[[int, int], bool]) -> None: ...
+
+    def drop_lost_disk_blocks(self) -> int: ...
+
+    def clear_cache(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def check_consistency(self) -> None: ...
