@@ -49,7 +49,16 @@ import numpy as np
 
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
-from kvjax.blend.selection import Roles, SelectionConfig, check_scores, estimated_rows, plan, round_up
+from kvjax.blend.selection import (
+    SCHEDULE_SELECTORS,
+    Roles,
+    SelectionConfig,
+    check_scores,
+    estimated_rows,
+    plan,
+    round_up,
+    schedule,
+)
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
 from kvjax.engine import Engine, table_width
@@ -123,10 +132,10 @@ class ChunkReuse:
         if self.scope is not None and not (isinstance(self.scope, str) and self.scope):
             raise ValueError(f"chunks.scope={self.scope!r} must be None or a non-empty str")
         num_layers = engine.model.config.num_layers
-        if self.selection.check_layers and max(self.selection.check_layers) >= num_layers:
+        if self.selection.selector in SCHEDULE_SELECTORS and schedule(self.selection)[0][-1] >= num_layers:
             raise ValueError(
                 f"chunks.selection.check_layers={self.selection.check_layers} must be < num_layers={num_layers} "
-                f"of the model {engine.model.config.name!r}"
+                f"of the model {engine.model.config.name!r} (selector {self.selection.selector!r} checks there)"
             )
         if self.selection.selector == "oracle":
             if self.scores is None:
