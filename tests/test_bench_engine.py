@@ -10,6 +10,8 @@ import pytest
 from configs import bench_engine as bench_engine_config
 from experiments import bench_engine
 
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
+
 
 @pytest.mark.real_model
 def test_tiny_bench_writes_every_row(tmp_path):

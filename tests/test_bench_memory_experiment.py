@@ -9,6 +9,8 @@ import pytest
 from configs import bench_memory as bench_memory_config
 from experiments import bench_memory
 
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
+
 
 @pytest.mark.real_model
 def test_tiny_preset_writes_every_part(tmp_path):

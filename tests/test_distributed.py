@@ -28,6 +28,8 @@ import textwrap
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
+
 RTOL = 1e-5
 TINY_CASES = {
     "mha8": dict(num_heads=8, num_kv_heads=8),

@@ -17,6 +17,7 @@ from configs import eviction as eviction_config
 from configs import prefix_reuse as prefix_reuse_config
 from experiments import bench_manager, eviction, prefix_reuse
 
+@pytest.mark.real_model
 def test_prefix_reuse_warm_beats_cold_and_agrees(tmp_path):
     config = prefix_reuse_config.get_config("tiny")
     results = prefix_reuse.run(config, tmp_path)
@@ -33,6 +34,7 @@ def test_prefix_reuse_warm_beats_cold_and_agrees(tmp_path):
     assert (tmp_path / "requests.csv").read_text().count("\n") == len(rows) + 1
 
 
+@pytest.mark.real_model
 def test_eviction_orders_policies_and_engine_matches_simulation(tmp_path):
     config = eviction_config.get_config("tiny")
     results = eviction.run(config, tmp_path)
@@ -72,6 +74,7 @@ def test_belady_is_optimal_on_a_known_sequence():
     assert eviction.belady_hit_rate(accesses, 0) == 0.0
 
 
+@pytest.mark.real_model
 def test_bench_manager_host_cost_is_far_below_the_model_step(tmp_path):
     config = bench_manager_config.get_config("tiny")
     results = bench_manager.run(config, tmp_path)

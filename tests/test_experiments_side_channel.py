@@ -4,9 +4,12 @@ timing assertions, which would flake on a shared machine)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from configs import side_channel as side_channel_config
 from experiments import side_channel
+
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
 
 
 def test_side_channel_salts_hide_the_victims_cache_from_the_attacker(tmp_path):

@@ -3,8 +3,12 @@ orderings that follow from the snapshot rules hold."""
 
 from __future__ import annotations
 
+import pytest
+
 from configs import hybrid_reuse as hybrid_reuse_config
 from experiments import hybrid_reuse
+
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
 
 
 def test_hybrid_reuse_tiny(tmp_path):

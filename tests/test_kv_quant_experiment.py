@@ -13,6 +13,8 @@ from experiments import kv_quant
 from kvjax.model.registry import Model
 from kvjax.testing.tiny import tiny_model
 
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
+
 
 @pytest.fixture
 def tiny_smollm2(smollm2, monkeypatch) -> Model:

@@ -23,6 +23,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
+
 ROOT = pathlib.Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SETTING = 'KVJAX_SOURCE = ""'  # the install cell's one setting, as shipped

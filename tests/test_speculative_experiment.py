@@ -9,6 +9,8 @@ import pytest
 from configs import spec_decode as spec_decode_config
 from experiments import spec_decode
 
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
+
 
 @pytest.mark.real_model
 def test_tiny_preset_runs_and_speculation_changes_neither_outputs_nor_hits(tmp_path):

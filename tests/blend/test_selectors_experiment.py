@@ -13,6 +13,8 @@ from configs import cacheblend_rag
 from experiments import cacheblend, cacheblend_eval
 from kvjax.testing.byte_tokenizer import byte_tokenizer
 
+pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
+
 
 @pytest.mark.parametrize("name", ["squad_multidoc", "synthetic"])
 def test_training_and_evaluation_prompts_are_disjoint(name):
