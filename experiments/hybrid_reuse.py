@@ -74,7 +74,7 @@ def run_cell(
             rows.append(dict(turn=turn + 1, conversation=c, prompt_tokens=len(out.prompt), reused_tokens=out.num_reused_tokens,
                              attention_match_tokens=match))
             attention.add(out.prompt + out.output[:-1])
-        peak_snapshots = max(peak_snapshots, engine.state_snapshots.num_snapshots)
+        peak_snapshots = max(peak_snapshots, engine.recurrent.index.num_snapshots)
         histories = [h + out.output + users[c][turn] for c, (h, out) in enumerate(zip(histories, outs))]
     elapsed = time.perf_counter() - start
     prompt = sum(r["prompt_tokens"] for r in rows)
@@ -92,11 +92,11 @@ def run_cell(
         short_prompt_hit_rate=sum(r["reused_tokens"] for r in short) / max(1, sum(r["prompt_tokens"] for r in short)),
         later_turn_hit_rate=sum(r["reused_tokens"] for r in rows if r["turn"] > 1)
         / max(1, sum(r["prompt_tokens"] for r in rows if r["turn"] > 1)),
-        snapshots_stored=engine.state_snapshots.stats["stored"],
-        snapshots_kept=engine.state_snapshots.num_snapshots,
+        snapshots_stored=engine.recurrent.index.stats["stored"],
+        snapshots_kept=engine.recurrent.index.num_snapshots,
         peak_snapshots=peak_snapshots,
         peak_snapshot_mib=peak_snapshots * per_slot / 2**20,
-        state_pool_mib=engine.state_snapshots.num_slots * per_slot / 2**20,
+        state_pool_mib=engine.recurrent.index.num_slots * per_slot / 2**20,
         seconds=elapsed,
     )
     return totals, rows

@@ -66,8 +66,8 @@ def _arrays(engine: Engine) -> dict[str, np.ndarray]:
         arrays |= _named(f"device_v_{i:03d}", f"device_v_scales_{i:03d}", v)
     for tier, g, pages in engine.host_pool.pools():
         arrays |= _named(f"{tier}_{g:03d}", f"{tier}_scales_{g:03d}", pages)
-    if engine.state_pool is not None:
-        arrays["state_pool"] = np.asarray(engine.state_pool)
+    if engine.recurrent is not None:
+        arrays["state_pool"] = np.asarray(engine.recurrent.pool)
     return arrays
 
 
@@ -195,7 +195,7 @@ def _save(engine: Engine, directory: str | os.PathLike, step: int | None, overwr
         **_identity(engine),
         "arrays_blake3": _arrays_digest(arrays),
         "manager_state": engine.manager.state_dict(),
-        "state_snapshots": None if engine.state_snapshots is None else engine.state_snapshots.state_dict(),
+        "state_snapshots": None if engine.recurrent is None else engine.recurrent.index.state_dict(),
     }
     document = json.loads(json.dumps(document))  # hash exactly what restore will read back
     meta = {"document": document, "blake3": _document_digest(document)}
@@ -317,9 +317,9 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
     except SnapshotError as err:
         raise SnapshotError(f"{where}: {err}") from err
     index = None
-    if engine.state_snapshots is not None:
+    if engine.recurrent is not None:
         index = StateSnapshotIndex(
-            engine.kv_config, tokens_per_block=engine.layout.tokens_per_block, num_live=engine.state_snapshots.num_live
+            engine.kv_config, tokens_per_block=engine.layout.tokens_per_block, num_live=engine.recurrent.index.num_live
         )
         try:
             index.load_state_dict(document["state_snapshots"])
@@ -338,8 +338,8 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
         v=tuple(_pages(arrays, f"device_v_{i:03d}", f"device_v_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
     )
     if index is not None:
-        engine.state_snapshots = index
-        engine.state_pool = jnp.asarray(arrays["state_pool"])
+        engine.recurrent.index = index
+        engine.recurrent.pool = jnp.asarray(arrays["state_pool"])
     engine.pool = pool
     for (tier, g), saved in tiers.items():  # copied into the pool's own arrays and page files
         engine.host_pool.restore(tier, g, saved)

@@ -101,7 +101,7 @@ def test_per_conversation_resumes_each_turn_at_its_prompt_end(hybrid):
             assert_matches_recompute(hybrid, out)
         prompt_ends.append(len(history) // PAGE * PAGE)
         history = history + out.output + prompt(8 + turn, 50)
-    snapshots = engine.state_snapshots.snapshots()
+    snapshots = engine.recurrent.index.snapshots()
     assert sorted(s.turn for s in snapshots) == [3, 4]  # max_num_turns=2 of one conversation
     assert all(s.num_tokens % PAGE == 0 for s in snapshots)
     events = [e for e in engine.manager.get_kv_cache_events() if e.state_snapshot]
@@ -153,7 +153,7 @@ def test_smollm2_ignores_the_recurrent_state_settings(smollm2, reference_text):
         **kv, block_reuse_config={"policy": "per_conversation"},
         mamba_state_config={"additional_snapshot_offsets_from_end": [0], "periodic_snapshot_interval": 64},
     ), scheduler, max_seq_len=512)
-    assert tuned.state_pool is None and tuned.state_snapshots is None
+    assert tuned.recurrent is None
     outs = [[e.generate([ids], GREEDY)[0], e.generate([ids[:150] + [13, 14]], GREEDY)[0]] for e in (plain, tuned)]
     for a, b in zip(*outs):
         assert a.output == b.output and a.num_reused_tokens == b.num_reused_tokens

@@ -26,13 +26,8 @@ KV, scheduled like any other and charged the rows it recomputes; its whole promp
 only the ``ChunkedPrompt`` protocol, so it never imports the blend package built on top of it.
 
 A hybrid model (recurrent layers, ``ModelConfig.layer_types``) also has a recurrent state
-pool (``self.state_pool``): each running request owns a live slot that its rows read before
-and write after each forward; a prefill chunk is cut at the snapshot boundaries of
-``mamba_state_config`` inside it and a decode snapshots when it crosses one, into snapshot
-slots keyed by the prefix's block key (``kvjax.manager.state_snapshots``). An admitted request
-resumes from the snapshot at its reused prefix (the manager stops reuse there), else from the
-zero state; a preempted request returns its slot and is recomputed on re-admission (from the
-deepest snapshot its prefix reaches).
+(``self.recurrent``, ``kvjax.engine.recurrent.RecurrentState``): each running request's rows
+read and write a live state slot, snapshots at block boundaries serve reuse.
 
 With Manager V2 (``use_kv_cache_manager_v2``, see ``choose_manager_v2``) the manager is
 ``kvjax.manager.manager_v2.KVCacheManagerV2``, whose allocation state lives on the device;
@@ -63,7 +58,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +65,6 @@ import numpy as np
 
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, PagePool, init_pool
-from kvjax.cache.pool import copy_pages, read_pages, write_pages
-from kvjax.cache.sizing import free_device_memory
-from kvjax.cache.state_pool import NULL_SLOT, copy_slots, init_state_pool, read_slots, slot_bytes, write_slots, zero_slots
 from kvjax.config import (
     ConfigError,
     KvCacheConfig,
@@ -83,11 +74,15 @@ from kvjax.config import (
     as_retention_config,
 )
 from kvjax.decode import decode_steps
-from kvjax.manager import KVCacheManager, MultimodalItem, PageOp, hashing
+from kvjax.engine.buckets import pow2_bucket, prefill_bucket, table_width
+from kvjax.engine.outputs import RequestOutput, RequestRecord, to_output
+from kvjax.engine.page_ops import apply_page_ops
+from kvjax.engine.recurrent import RecurrentState
+from kvjax.engine.requests import ChunkedPrompt, check_optional_str, check_token_ids, check_v2_request
+from kvjax.manager import KVCacheManager, MultimodalItem
 from kvjax.manager.interface import CacheManager
 from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest
-from kvjax.manager.state_snapshots import StateSnapshotIndex
 from kvjax.model.config import ModelConfig
 from kvjax.model.model import Model
 from kvjax.model.transformer import forward
@@ -95,143 +90,6 @@ from kvjax.sampling import SamplingParams, sample
 from kvjax.speculative import DraftRow, make_drafter, verify
 
 log = logging.getLogger(__name__)
-
-
-def pow2_bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    m = max(int(n), minimum, 1)
-    return 1 << (m - 1).bit_length()
-
-
-PREFILL_STEP = 256
-"""Prefill chunks longer than this pad to a multiple of it rather than to a power of two, so a
-cache hit of 30% on a 1k-token prompt computes 768 tokens, not 1024 (a few more compiled shapes)."""
-
-
-def prefill_bucket(n: int) -> int:
-    """Padded length of a prefill chunk of ``n`` tokens: 1 for one token (a prefix hit that
-    leaves only the last token to compute runs the decode step's shape and its paged decode
-    attention), else a power of two >= 16 up to PREFILL_STEP, then a multiple of PREFILL_STEP."""
-    if n == 1:
-        return 1
-    return pow2_bucket(n, 16) if n <= PREFILL_STEP else -(-n // PREFILL_STEP) * PREFILL_STEP
-
-
-MIN_TABLE_WIDTH = 4
-"""Fewest pages in a step's block tables."""
-
-
-def table_width(pages: int) -> int:
-    """Pages in a step's block tables when its longest sequence needs ``pages``: at least
-    MIN_TABLE_WIDTH, then four widths per doubling (5, 6, 7, 8, 10, 12, 14, 16, 20, ...), so
-    attention gathers at most 25% of pages past the longest sequence's last one, where
-    powers of two gathered up to 100% (a 161-token batch-8 decode step read 8 pages per
-    sequence for 6 needed). Each width is one compiled shape per row bucket."""
-    n = max(int(pages), MIN_TABLE_WIDTH)
-    step = 1 << max(0, (n - 1).bit_length() - 3)  # 1 up to 8 pages, 2 up to 16, 4 up to 32, ...
-    return -(-n // step) * step
-
-
-def check_token_ids(token_ids: object, vocab_size: int, field: str = "prompt_token_ids") -> tuple[int, ...]:
-    """A prompt's ids as a tuple of Python ints, or a ``ValueError`` naming ``field``.
-
-    The manager's id check (``kvjax.manager.hashing.check_token_ids``: ints only, no bools or
-    floats, in ``[0, vocab_size)``) plus what a prompt needs besides: not empty, and an array
-    only if it is 1-D.
-    """
-    if hasattr(token_ids, "ndim") and token_ids.ndim != 1:
-        raise ValueError(f"{field} must be a 1-D sequence of token ids, got shape {token_ids.shape}")
-    ids = hashing.check_token_ids(token_ids, field, vocab_size)
-    if not ids:
-        raise ValueError(f"{field} must not be empty")
-    return ids
-
-
-class ChunkedPrompt(Protocol):
-    """What a blended request brings: the scope its blocks live in, its validation, its
-    scheduler charge and the prefill that computes its whole prompt (implemented by
-    ``kvjax.blend.engine_blend.ChunkReuse``)."""
-
-    @property
-    def salt(self) -> str:
-        """Cache scope of the request's blocks (used as its ``cache_salt``)."""
-
-    def check(self, engine: Engine, prompt: Sequence[int]) -> None:
-        """Raises ``ValueError`` naming the field that does not fit ``prompt`` on ``engine``."""
-
-    def num_rows(self, num_tokens: int, num_layers: int) -> int:
-        """Rows the prefill of a ``num_tokens`` prompt recomputes, averaged over layers."""
-
-    def prefill(
-        self, engine: Engine, request_id: str, prompt: Sequence[int], num_cached: int
-    ) -> tuple[jax.Array, dict | None, object]:
-        """Runs the prompt (``num_cached`` leading tokens already in its pages) on the request's
-        pages; returns (the last prompt positions' logits [R, V], a trace or None, a report)."""
-
-
-def _check_optional_str(field: str, value: object) -> None:
-    if value is not None and not (isinstance(value, str) and value):
-        raise ValueError(f"{field}={value!r} must be None or a non-empty str")
-
-
-@dataclasses.dataclass(slots=True)
-class RequestRecord:
-    """What the engine keeps per request beside the scheduler's progress.
-
-    Attributes:
-      logits: each generated position's logits [V] when ``sampling.return_logits``.
-      submit_time, first_token_time, finish_time: ``time.perf_counter()`` seconds.
-      chunks: the stored chunks a blended request reuses (None = ordinary request).
-      prompt_logits: the last prompt positions' logits [R, V]: a blended request's
-        (R = chunks.num_prompt_logits), or an ordinary one's computed rows among its last
-        ``sampling.prompt_logits`` positions.
-      blend_trace, blend_report: a blended request's fusor trace and reuse report.
-    """
-
-    sched: SchedulerRequest
-    sampling: SamplingParams
-    submit_time: float
-    chunks: ChunkedPrompt | None = None
-    prompt_logits: np.ndarray | None = None
-    blend_trace: dict | None = None
-    blend_report: object | None = None
-    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    finished: bool = False
-    num_preemptions: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """A request's result.
-
-    Attributes:
-      finish_reason: None while running; "stop" (EOS or stop token), "length"
-        (max_new_tokens), "abort" (``Engine.abort``) or "error" (its work raised; see ``error``).
-      num_reused_tokens: prompt tokens served from the cache (prefill skipped).
-      ttft_s: seconds from submission to the first generated token.
-      latency_s: seconds from submission to the last token.
-      logits: per generated token, [V] float32 (only with ``return_logits``).
-      error: the exception that finished the request, as "Type: message".
-      prompt_logits: the last prompt positions' logits [R, V]: a blended request's, or an
-        ordinary request's computed rows among its last ``sampling.prompt_logits`` (else None).
-      blend_report: a blended request's reuse report (else None).
-    """
-
-    request_id: str
-    prompt: list[int]
-    output: list[int]
-    finish_reason: str | None
-    num_reused_tokens: int
-    ttft_s: float | None
-    latency_s: float | None
-    logits: list[np.ndarray]
-    error: str | None = None
-    prompt_logits: np.ndarray | None = None
-    blend_report: object | None = None
 
 
 class Engine:
@@ -314,13 +172,16 @@ class Engine:
         """Cumulative seconds and token counts by phase (prefill / decode / page_ops). Speculative
         decodes add draft_s (drafting, within decode_s), spec_rows (sequence-steps verified),
         spec_drafted and spec_accepted (draft tokens proposed and accepted)."""
-        self.state_pool: jax.Array | None = None
-        """A hybrid model's recurrent state slots [R, num_slots, H, d, d] (``kvjax.cache.state_pool``);
-        None for pure-attention models."""
-        self.state_snapshots: StateSnapshotIndex | None = None
-        """Which request or snapshot holds each state slot (hybrid models only)."""
+        self.recurrent: RecurrentState | None = None
+        """A hybrid model's recurrent state pool and slot index (None for pure-attention models)."""
         if cfg.is_hybrid:
-            self._init_recurrent_state()
+            if speculative is not None:
+                raise ValueError(
+                    f"speculative decoding is not supported for the hybrid model {cfg.name!r}: a rejected draft "
+                    "cannot be rolled back out of a recurrent state; pass speculative=None"
+                )
+            self.recurrent = RecurrentState(kv_cache_config, self.layout, cfg, scheduler_config.max_batch_size)
+            self.manager.attach_state_snapshots(self.recurrent.index)
 
     def set_manager(self, manager: KVCacheManager) -> None:
         """Swaps in another manager (a restored snapshot); the engine must be idle."""
@@ -333,8 +194,8 @@ class Engine:
             self.scheduler = Scheduler(self.scheduler_config, manager)
             if self.host_pool.disk:
                 manager.attach_disk_check(self.host_pool.check_disk)
-            if self.state_snapshots is not None:
-                manager.attach_state_snapshots(self.state_snapshots)
+            if self.recurrent is not None:
+                manager.attach_state_snapshots(self.recurrent.index)
 
     # ------------------------------------------------------------------ submission
 
@@ -363,9 +224,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         prompt = check_token_ids(prompt_token_ids, vocab)
         if self.uses_manager_v2:
-            _check_v2_request(retention, chunks)
+            check_v2_request(retention, chunks)
         if chunks is not None:
-            if self.state_snapshots is not None:
+            if self.recurrent is not None:
                 raise ValueError(
                     f"chunks: CacheBlend chunk reuse is not supported for the hybrid model {self.model.config.name!r}"
                 )
@@ -419,8 +280,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         if sampling.stop_token_id is not None and sampling.stop_token_id >= vocab:
             raise ValueError(f"sampling.stop_token_id={sampling.stop_token_id} must be in [0, {vocab})")
-        _check_optional_str("request_id", request_id)
-        _check_optional_str("cache_salt", cache_salt)
+        check_optional_str("request_id", request_id)
+        check_optional_str("cache_salt", cache_salt)
         stop = None if sampling.ignore_eos else (
             sampling.stop_token_id if sampling.stop_token_id is not None else self.model.config.eos_ids[0]
         )
@@ -447,7 +308,8 @@ class Engine:
             del self.requests[oldest]
 
     def _finish(self, request_id: str, reason: str | None = None, error: str | None = None) -> None:
-        self._end_state(request_id, finished=reason is None)
+        if self.recurrent is not None:
+            self.recurrent.end(request_id, self.requests.get(request_id), reason is None, self.manager)
         record = self.requests[request_id]
         record.finished, record.finish_time = True, time.perf_counter()
         record.finish_reason, record.error = reason, error
@@ -488,10 +350,11 @@ class Engine:
                 record.logits.clear()
                 record.prompt_logits = None if record.chunks is None else record.prompt_logits
                 record.first_token_time = None
-                self._end_state(rid, finished=False)  # resumed later from a snapshot, or recomputed
+                if self.recurrent is not None:  # resumed later from a snapshot, or recomputed
+                    self.recurrent.end(rid, record, False, self.manager)
             self._execute_page_ops()
-            if self.state_snapshots is not None:
-                self._start_states(plan.scheduled)
+            if self.recurrent is not None:
+                self.recurrent.start(plan.scheduled, self.requests)
             sampled: dict[str, int | list[int]] = {}
             failed: dict[str, str] = {}
             prefills = [w for w in plan.scheduled if w.is_prefill]
@@ -572,7 +435,7 @@ class Engine:
         try:
             if phase == "blend":
                 return self._run_blend(works[0])
-            if phase == "prefill" and self.state_snapshots is not None:
+            if phase == "prefill" and self.recurrent is not None:
                 return self._run_prefill_pieces(works[0])
             return self._run_speculative(works) if phase == "speculative" else self._run(works, phase)
         except Exception as e:
@@ -592,7 +455,7 @@ class Engine:
             pending = [(rid, r) for rid, r in self.requests.items() if not r.finished]
         while self.has_work:
             self.step()
-        return [_to_output(rid, r) for rid, r in pending]
+        return [to_output(rid, r) for rid, r in pending]
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(), **kwargs) -> list[RequestOutput]:
         """Submits ``prompts`` (token ids) and runs them to completion.
@@ -611,7 +474,7 @@ class Engine:
             raise
         while not all(r.finished for _, r in pending):
             self.step()
-        return [_to_output(rid, r) for rid, r in pending]
+        return [to_output(rid, r) for rid, r in pending]
 
     def stream(self, prompt_token_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), **kwargs) -> Iterator[int]:
         """Yields a request's tokens as they are generated (other requests keep running)."""
@@ -633,7 +496,7 @@ class Engine:
                     f"request_id={request_id!r} is unknown: never submitted, or finished and forgotten "
                     f"(outputs of the last max_finished_requests={self.max_finished_requests} finished requests are kept)"
                 )
-            return _to_output(request_id, record)
+            return to_output(request_id, record)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """A finished request's final output; the engine forgets the request (its logits,
@@ -654,35 +517,11 @@ class Engine:
 
     def _execute_page_ops(self) -> None:
         ops = self.manager.take_page_ops()
-        if not ops:
-            self.host_pool.end_step()
-            return
         start = time.perf_counter()
-        for (kind, group), run in itertools.groupby(ops, key=lambda op: (op.kind, op.group)):
-            self._apply(kind, group, list(run))
-        self.host_pool.end_step()
-        self.timings["page_ops_s"] += time.perf_counter() - start
-        self.timings["page_ops"] += len(ops)
-
-    def _apply(self, kind: str, group: int, ops: list[PageOp]) -> None:
-        n = pow2_bucket(len(ops))
-        src = np.full(n, NULL_PAGE, np.int32)
-        dst = np.full(n, NULL_PAGE, np.int32)
-        src[: len(ops)] = [op.src for op in ops]
-        dst[: len(ops)] = [op.dst for op in ops]
-        if kind == "copy":
-            self.pool = copy_pages(self.pool, self.layout, group, jnp.asarray(src), jnp.asarray(dst))
-        elif kind == "offload":
-            kv = jax.device_get(read_pages(self.pool, self.layout, group, jnp.asarray(src)))
-            self.host_pool.store("host", group, dst[: len(ops)], kv)
-        elif kind == "spill":
-            kv = self.host_pool.load("host", group, src[: len(ops)], n)
-            self.host_pool.store("disk", group, dst[: len(ops)], kv)
-        elif kind in ("onboard", "onboard_disk"):
-            kv = self.host_pool.load("host" if kind == "onboard" else "disk", group, src[: len(ops)], n)
-            self.pool = write_pages(self.pool, self.layout, group, jnp.asarray(dst), kv)
-        else:
-            raise ValueError(f"page op kind={kind!r} must be 'copy', 'offload', 'spill', 'onboard' or 'onboard_disk'")
+        self.pool = apply_page_ops(self.pool, self.layout, self.host_pool, ops)
+        if ops:
+            self.timings["page_ops_s"] += time.perf_counter() - start
+            self.timings["page_ops"] += len(ops)
 
     def _block_tables(self, works: Sequence[ScheduledRequest], num_rows: int, width: int) -> tuple[jax.Array, ...]:
         tables = []
@@ -713,18 +552,18 @@ class Engine:
         tables = self._block_tables(works, rows, width)
         samples = any(w.samples for w in works)
         keeps = phase == "prefill" and any(self.requests[w.request_id].sampling.prompt_logits for w in works)
-        slots = None if self.state_snapshots is None else self._state_slots(works, rows)
+        slots = None if self.recurrent is None else self.recurrent.slots(works, rows)
         logits, self.pool, *state = forward(
             self.model.params, self.pool, jnp.asarray(tokens), jnp.asarray(positions), tables, jnp.asarray(lengths),
             cfg=self.model.config, layout=self.layout, attn_impl=self.attn_impl,
             logits_mode="all" if keeps else "last" if samples else "none",
-            state=None if slots is None else read_slots(self.state_pool, slots),
+            state=None if slots is None else self.recurrent.read(slots),
         )
         if keeps:
             logits = self._keep_prompt_logits(works, logits)
         if slots is not None:
-            self.state_pool = write_slots(self.state_pool, slots, state[0])
-            self._take_snapshots(works)
+            self.recurrent.write(slots, state[0])
+            self.recurrent.take_snapshots(works, self.requests, self.manager)
         sampled = self._sample(works, logits) if samples else {}
         jax.block_until_ready(self.pool.k[0])
         self.timings[f"{phase}_s"] += time.perf_counter() - start
@@ -868,109 +707,11 @@ class Engine:
 
     # ------------------------------------------------------------------ recurrent state (hybrid models)
 
-    def _init_recurrent_state(self) -> None:
-        """A hybrid model's state pool: a live slot per running request and the snapshot slots
-        of ``kv_cache_config.mamba_state_config`` (``kvjax.manager.state_snapshots``)."""
-        cfg = self.model.config
-        if self.speculative is not None:
-            raise ValueError(
-                f"speculative decoding is not supported for the hybrid model {cfg.name!r}: a rejected draft "
-                "cannot be rolled back out of a recurrent state; pass speculative=None"
-            )
-        num_slots = 1 + self.scheduler_config.max_batch_size + self.kv_config.mamba_state_config.max_snapshots
-        need, free = num_slots * slot_bytes(len(cfg.recurrent_layers), cfg.num_heads, cfg.head_dim), free_device_memory()
-        if need > free:
-            raise ConfigError(
-                f"kv_cache_config.mamba_state_config.max_snapshots={self.kv_config.mamba_state_config.max_snapshots:,}: "
-                f"the recurrent-state pool of {num_slots:,} slots needs {need:,} bytes but {free:,} are free; "
-                "lower max_snapshots"
-            )
-        self.state_snapshots = StateSnapshotIndex(
-            self.kv_config, tokens_per_block=self.layout.tokens_per_block, num_live=self.scheduler_config.max_batch_size
-        )
-        self.state_pool = init_state_pool(
-            len(cfg.recurrent_layers), self.state_snapshots.num_slots, cfg.num_heads, cfg.head_dim
-        )
-        self.manager.attach_state_snapshots(self.state_snapshots)
-
-    def _start_states(self, works: Sequence[ScheduledRequest]) -> None:
-        """Gives newly admitted requests a live slot: restored from the snapshot at their
-        reused prefix (a block boundary), or zeroed when nothing was reused."""
-        index, ps = self.state_snapshots, self.layout.tokens_per_block
-        restores, zeros = [], []
-        for w in works:
-            if index.live(w.request_id) is not None:
-                continue
-            sched = self.requests[w.request_id].sched
-            live = index.start(w.request_id, sched.prompt_keys, len(sched.prompt_token_ids))
-            if w.start == 0:
-                zeros.append(live.slot)
-                continue
-            if w.start % ps:
-                raise RuntimeError(f"request {w.request_id!r} resumes at {w.start}, not a block boundary (page {ps})")
-            restores.append((index.restore(sched.prompt_keys[w.start // ps - 1]).slot, live.slot))
-        if restores:
-            src, dst = _padded_slots([s for s, _ in restores]), _padded_slots([d for _, d in restores])
-            self.state_pool = copy_slots(self.state_pool, src, dst)
-        if zeros:
-            self.state_pool = zero_slots(self.state_pool, _padded_slots(zeros))
-
-    def _end_state(self, request_id: str, finished: bool) -> None:
-        """Returns a request's live slot; a request that finished a turn leaves the key of its
-        last full block (prompt + output), which a next turn extending it continues."""
-        if self.state_snapshots is None:
-            return
-        final_key = None
-        record = self.requests.get(request_id)
-        if finished and record is not None and self.kv_config.enable_block_reuse:
-            sched = record.sched
-            tokens = sched.prompt_token_ids + tuple(sched.output_token_ids)
-            full = len(tokens) // self.layout.tokens_per_block * self.layout.tokens_per_block
-            if full:
-                final_key = self._prefix_keys(sched, tokens[:full])[-1]
-        self.state_snapshots.end(request_id, final_key)
-
-    def _prefix_keys(self, sched: SchedulerRequest, tokens: tuple[int, ...]) -> list[hashing.BlockKey]:
-        """Block keys of a request's token prefix (its prompt's own keys when it is one)."""
-        if len(tokens) <= len(sched.prompt_token_ids):
-            return sched.prompt_keys[: len(tokens) // self.layout.tokens_per_block]
-        return self.manager.prompt_block_keys(
-            tokens, cache_salt=sched.cache_salt, lora_id=sched.lora_id, mm_items=sched.mm_items
-        )
-
-    def _state_slots(self, works: Sequence[ScheduledRequest], rows: int) -> jax.Array:
-        slots = np.full(rows, NULL_SLOT, np.int32)
-        for i, w in enumerate(works):
-            slots[i] = self.state_snapshots.live(w.request_id).slot
-        return jnp.asarray(slots)
-
-    def _take_snapshots(self, works: Sequence[ScheduledRequest]) -> None:
-        """Copies the live state of each row that ended this step on a snapshot boundary
-        into a snapshot slot keyed by the block key of that prefix."""
-        if not self.kv_config.enable_block_reuse:
-            return
-        index = self.state_snapshots
-        copies = []
-        for w in works:
-            end = w.start + len(w.token_ids)
-            live = index.live(w.request_id)
-            if not index.is_boundary(end, live.prompt_len):
-                continue
-            sched = self.requests[w.request_id].sched
-            key = self._prefix_keys(sched, (sched.prompt_token_ids + tuple(sched.output_token_ids))[:end])[-1]
-            slot = index.store(w.request_id, key, end)
-            if slot is not None:
-                copies.append((live.slot, slot))
-        if copies:
-            src, dst = _padded_slots([s for s, _ in copies]), _padded_slots([d for _, d in copies])
-            self.state_pool = copy_slots(self.state_pool, src, dst)
-
     def _run_prefill_pieces(self, work: ScheduledRequest) -> dict[str, int]:
         """A hybrid model's prefill chunk, cut at the snapshot boundaries inside it so the
         state at each is taken; only the last piece samples."""
         end = work.start + len(work.token_ids)
-        live = self.state_snapshots.live(work.request_id)
-        cuts = [p for p in self.state_snapshots.boundaries_in(work.start, end, live.prompt_len) if p < end] + [end]
+        cuts = self.recurrent.cuts(work)
         sampled: dict[str, int] = {}
         start = work.start
         for cut in cuts:
@@ -1015,31 +756,3 @@ def choose_manager_v2(config: KvCacheConfig, cfg: ModelConfig, speculative: Spec
         )
     log.info("use_kv_cache_manager_v2='auto': model prefers V2 but %s needs V1", "; ".join(needs_v1))
     return False
-
-
-def _check_v2_request(retention: KvCacheRetentionConfig | dict | None, chunks: ChunkedPrompt | None) -> None:
-    """Raises ValueError for a request feature Manager V2 lacks (retention priorities, CacheBlend chunks)."""
-    if retention is not None and as_retention_config(retention) != KvCacheRetentionConfig():
-        raise ValueError("retention: per-request retention priorities need the V1 manager (use_kv_cache_manager_v2='false')")
-    if chunks is not None:
-        raise ValueError("chunks: CacheBlend chunk reuse needs the V1 manager (use_kv_cache_manager_v2='false')")
-
-def _padded_slots(slots: Sequence[int]) -> jax.Array:
-    """Slot ids padded with NULL_SLOT to a power-of-two length (few compiled shapes)."""
-    padded = np.full(pow2_bucket(len(slots)), NULL_SLOT, np.int32)
-    padded[: len(slots)] = slots
-    return jnp.asarray(padded)
-
-
-def _to_output(request_id: str, r: RequestRecord) -> RequestOutput:
-    output = list(r.sched.output_token_ids)
-    reason = r.finish_reason
-    if r.finished and reason is None:
-        reason = "stop" if output and output[-1] == r.sched.eos_token_id else "length"
-    return RequestOutput(
-        request_id=request_id, prompt=list(r.sched.prompt_token_ids), output=output, finish_reason=reason,
-        num_reused_tokens=r.sched.num_reused_tokens,
-        ttft_s=None if r.first_token_time is None else r.first_token_time - r.submit_time,
-        latency_s=None if r.finish_time is None else r.finish_time - r.submit_time,
-        logits=list(r.logits), error=r.error, prompt_logits=r.prompt_logits, blend_report=r.blend_report,
-    )
