@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from kvjax.cache.layout import CacheLayout
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import BlockKey, MultimodalItem
@@ -125,3 +126,27 @@ class CacheManager(Protocol):
     def state_dict(self) -> dict: ...
 
     def check_consistency(self) -> None: ...
+
+
+class LayoutGeometry:
+    """The geometry both managers read from their ``layout`` (a base class of each)."""
+
+    layout: CacheLayout
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per page and block."""
+        return self.layout.tokens_per_block
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.layout.max_seq_len
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        return self.layout.layer_windows
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        """Distinct windows in order of first appearance; group g holds the layers of window g."""
+        return self.layout.group_windows

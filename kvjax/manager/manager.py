@@ -43,6 +43,7 @@ from kvjax.manager.hashing import (
     pack_ids,
     root_key,
 )
+from kvjax.manager.interface import LayoutGeometry
 from kvjax.manager.radix_tree import Block
 from kvjax.manager.retention import block_priority
 from kvjax.manager.stats import CacheStats, RequestStats
@@ -111,7 +112,7 @@ class _Plan:
     groups: list[_GroupPlan]
 
 
-class KVCacheManager:
+class KVCacheManager(LayoutGeometry):
     """Paged KV cache bookkeeping with radix-tree reuse, priority-LRU eviction and host / disk offload.
 
     Args:
@@ -173,24 +174,6 @@ class KVCacheManager:
         """A hybrid model's recurrent-state snapshots (``attach_state_snapshots``); None otherwise."""
 
     # ================================================================== geometry (read from the layout)
-
-    @property
-    def tokens_per_block(self) -> int:
-        """Tokens per page and block."""
-        return self.layout.tokens_per_block
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.layout.max_seq_len
-
-    @property
-    def layer_windows(self) -> tuple[int, ...]:
-        return self.layout.layer_windows
-
-    @property
-    def group_windows(self) -> tuple[int, ...]:
-        """Distinct windows in order of first appearance; group g holds the layers of window g."""
-        return self.layout.group_windows
 
     @property
     def num_host_pages(self) -> int:

@@ -36,6 +36,7 @@ from kvjax.manager.hashing import (
     pack_ids,
     root_key,
 )
+from kvjax.manager.interface import LayoutGeometry
 from kvjax.manager.manager import OutOfPagesError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
@@ -55,7 +56,7 @@ class _Row:
     stats: RequestStats
 
 
-class KVCacheManagerV2:
+class KVCacheManagerV2(LayoutGeometry):
     """Manager V2 over ``layout``'s device pools, one ``PageState`` per layer group.
 
     Args:
@@ -77,25 +78,8 @@ class KVCacheManagerV2:
         self._stats = CacheStats()
 
     @property
-    def tokens_per_block(self) -> int:
-        return self.layout.tokens_per_block
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.layout.max_seq_len
-
-    @property
     def max_seqs(self) -> int:
         return self.states[0].max_seqs
-
-    @property
-    def layer_windows(self) -> tuple[int, ...]:
-        return self.layout.layer_windows
-
-    @property
-    def group_windows(self) -> tuple[int, ...]:
-        """Distinct windows in order of first appearance; group g holds the layers of window g."""
-        return self.layout.group_windows
 
     @property
     def num_host_pages(self) -> int:
