@@ -34,7 +34,6 @@ Shapes follow the glossary in ``pallas_kernels/__init__.py``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -94,6 +93,49 @@ def _unpack(k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedP
     return k_pages.values, v_pages.values, {"k_scales": k_pages.scales, "v_scales": v_pages.scales}
 
 
+_IMPLEMENTATIONS: dict[str, dict[str, Callable[..., jax.Array]]] = {
+    "partial": {"tpu": partial_tpu.partial_attention, "gpu": partial_gpu.partial_attention,
+                "blocked": blocked.partial_attention, "reference": partial_attention_ref},
+    "paged": {"tpu": paged_tpu.paged_attention, "gpu": paged_gpu.paged_attention,
+              "blocked": blocked.paged_attention, "reference": paged_attention_ref},
+}
+"""Per op, the implementation of each resolved ``impl`` (``_choose``)."""
+
+
+def _attend(
+    op: str,
+    q: jax.Array,
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+    q_positions: jax.Array | None,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+    impl: Impl,
+    interpret_kernel: Kernel,
+    mesh: Mesh | None,
+) -> jax.Array:
+    """The one dispatcher of both ops: ``op`` ("partial" with ``q_positions``, or "paged")
+    through the implementation ``impl`` resolves to, per device when ``mesh`` is given."""
+    kernel, interpret = _choose(impl, interpret_kernel)
+    k_pages, v_pages, scales = _unpack(k_pages, v_pages, mesh)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    rest = () if q_positions is None else (q_positions,)
+    if mesh is not None:
+        def local(q: jax.Array, kp: jax.Array, vp: jax.Array, lengths: jax.Array, table: jax.Array, *rest: jax.Array) -> jax.Array:
+            return _attend(op, q, kp, vp, lengths, table, *(rest or (None,)), **options, impl=impl,
+                           interpret_kernel=interpret_kernel, mesh=None)
+
+        return _over_mesh(local, mesh, q, k_pages, v_pages, lengths, page_indices, *rest)
+    args = (q, *rest, k_pages, v_pages, lengths, page_indices)
+    if kernel in ("tpu", "gpu"):
+        options["interpret"] = interpret
+    return _IMPLEMENTATIONS[op][kernel](*args, **options, **scales)
+
+
 def partial_attention(
     q: jax.Array,
     q_positions: jax.Array,
@@ -110,21 +152,9 @@ def partial_attention(
     mesh: Mesh | None = None,
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV; see ``partial_attention_ref`` for shapes."""
-    kernel, interpret = _choose(impl, interpret_kernel)
-    k_pages, v_pages, scales = _unpack(k_pages, v_pages, mesh)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
-    if mesh is not None:
-        local = functools.partial(partial_attention, **options, impl=impl, interpret_kernel=interpret_kernel)
-        return _over_mesh(lambda q, kp, vp, lengths, table, qp: local(q, qp, kp, vp, lengths, table), mesh,
-                          q, k_pages, v_pages, lengths, page_indices, q_positions)
-    args = (q, q_positions, k_pages, v_pages, lengths, page_indices)
-    if kernel == "tpu":
-        return partial_tpu.partial_attention(*args, **options, **scales, interpret=interpret)
-    if kernel == "gpu":
-        return partial_gpu.partial_attention(*args, **options, **scales, interpret=interpret)
-    if kernel == "blocked":
-        return blocked.partial_attention(*args, **options, **scales)
-    return partial_attention_ref(*args, **options, **scales)
+    return _attend("partial", q, k_pages, v_pages, lengths, page_indices, q_positions, sm_scale=sm_scale,
+                   sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, impl=impl,
+                   interpret_kernel=interpret_kernel, mesh=mesh)
 
 
 def paged_attention(
@@ -142,20 +172,9 @@ def paged_attention(
     mesh: Mesh | None = None,
 ) -> jax.Array:
     """Decode attention, one query per sequence; see ``paged_attention_ref`` for shapes."""
-    kernel, interpret = _choose(impl, interpret_kernel)
-    k_pages, v_pages, scales = _unpack(k_pages, v_pages, mesh)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
-    if mesh is not None:
-        local = functools.partial(paged_attention, **options, impl=impl, interpret_kernel=interpret_kernel)
-        return _over_mesh(local, mesh, q, k_pages, v_pages, lengths, page_indices)
-    args = (q, k_pages, v_pages, lengths, page_indices)
-    if kernel == "tpu":
-        return paged_tpu.paged_attention(*args, **options, **scales, interpret=interpret)
-    if kernel == "gpu":
-        return paged_gpu.paged_attention(*args, **options, **scales, interpret=interpret)
-    if kernel == "blocked":
-        return blocked.paged_attention(*args, **options, **scales)
-    return paged_attention_ref(*args, **options, **scales)
+    return _attend("paged", q, k_pages, v_pages, lengths, page_indices, None, sm_scale=sm_scale,
+                   sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, impl=impl,
+                   interpret_kernel=interpret_kernel, mesh=mesh)
 
 
 def _over_mesh(
