@@ -13,8 +13,7 @@ Layout (imports point down only)::
 
     paged_attention/     decode: one query row per sequence at ``length - 1``; its reference
                          and TPU entry run partial_attention's with that one row
-    partial_attention/   query rows at arbitrary positions: reference, TPU and GPU kernels,
-                         the blocked XLA path and row attention over contiguous K/V
+    partial_attention/   query rows at arbitrary positions: reference, TPU and GPU kernels
     common.py            validation, row layout and the online-softmax step of every kernel
     gpu_common.py        Triton tiling limits and scale gathers of both GPU kernels
     tuned_sizes.py       block sizes per (backend, op)

@@ -44,7 +44,7 @@ from kvjax.cache.layout import CacheLayout
 from kvjax.cache.pool import PagePool, read_sequence, write_sequence
 from kvjax.model import transformer
 from kvjax.model.config import ModelConfig
-from pallas_kernels.partial_attention.rows import row_attention
+from kvjax.attention.rows import row_attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Row attention over one sequence's contiguous K/V (``pallas_kernels/partial_attention/rows.py``)
+"""Row attention over one sequence's contiguous K/V (``kvjax/attention/rows.py``)
 against the paged reference with an identity block table: scattered, unsorted and padding
 rows, GQA/MQA, sliding windows, soft-cap, NaN past the length, one and several query / key
 blocks; and the fusor's dispatch (``attend_rows``) on both of its paths."""
@@ -13,7 +13,7 @@ import pytest
 
 from kvjax.blend.fusor import attend_rows
 from pallas_kernels.partial_attention.reference import partial_attention_ref
-from pallas_kernels.partial_attention.rows import row_attention
+from kvjax.attention.rows import row_attention
 
 PAGE = 8
 SLOTS = 6 * PAGE

@@ -12,7 +12,7 @@ import pytest
 
 from kvjax.testing.paged_inputs import assert_close, make_inputs
 from pallas_kernels.paged_attention.reference import paged_attention_ref
-from pallas_kernels.partial_attention import blocked
+from kvjax.attention import blocked
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 
 HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]

@@ -21,7 +21,7 @@ from kvjax.testing.paged_inputs import assert_close, make_inputs, quantize_input
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
-from pallas_kernels.partial_attention import blocked
+from kvjax.attention import blocked
 from pallas_kernels.partial_attention import gpu as partial_gpu
 from pallas_kernels.partial_attention import tpu as partial_tpu
 from pallas_kernels.partial_attention.reference import partial_attention_ref

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.partial_attention.blocked import Carry, initial_carry, key_block_step, normalized, over_key_blocks
+from kvjax.attention.blocked import Carry, initial_carry, key_block_step, normalized, over_key_blocks
 
 BLOCK_Q = 64
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""

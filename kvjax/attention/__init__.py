@@ -4,7 +4,7 @@
   "auto"       the TPU kernel on TPU, the GPU kernel on GPU, the blocked XLA implementation
                elsewhere (CPU).
   "blocked"    the blocked, flash-style XLA implementation
-               (``pallas_kernels/partial_attention/blocked.py``): online softmax over key
+               (``kvjax/attention/blocked.py``): online softmax over key
                blocks, work proportional to the sequence's length.
   "reference"  the plain-jnp reference (``pallas_kernels/*/reference.py``).
   "interpret"  a Pallas kernel in interpret mode (runs on CPU; slow, for tests):
@@ -45,7 +45,7 @@ from jax.sharding import Mesh, PartitionSpec
 from kvjax.cache.quant import QuantizedPages
 
 from pallas_kernels.paged_attention import gpu as paged_gpu
-from pallas_kernels.partial_attention import blocked
+from kvjax.attention import blocked
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention import gpu as partial_gpu
