@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import matplotlib
-import ml_collections
 import numpy as np
 from einops import rearrange
 
 from experiments.timing import median_seconds
 from kvjax import attention
+
+if TYPE_CHECKING:
+    import ml_collections
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)

@@ -111,7 +111,8 @@ def test_interrupted_save_keeps_the_previous_snapshot(smollm2, prompts, tmp_path
     with pytest.raises(Exception, match="power cut"):
         save_snapshot(engine, tmp_path)
     monkeypatch.undo()
-    assert any(p.name != str(first) for p in tmp_path.iterdir())  # the torn save left files behind
+    # Whether orbax's background writer left the torn step's temporary folder depends on its timing
+    # (seen both ways); either way the latest complete step is the first one.
     restored = make_engine(smollm2)
     assert restore_snapshot(restored, tmp_path) == first
     assert restored.manager.num_cached_blocks(0) == 150 // 16

@@ -4,8 +4,8 @@ The file holds one fixed-size record per page: record ``p`` starts at byte ``p *
 and is the page's slice of every leaf of the host-pages layout (``kvjax.cache.host_pool``), in
 leaf order, C order: [2, group_layers, tokens_per_block, num_kv_heads, head_dim] values and, for
 a quantized dtype, [2, group_layers, scale_slots, num_kv_heads] float32 scales. Each write
-keeps the record's BLAKE3 digest in memory; a read returns a page only if its bytes still hash
-to that digest.
+keeps the record's 16-byte BLAKE2b digest (``hashlib``) in memory; a read returns a page only
+if its bytes still hash to that digest.
 
 Reads go through ``os.pread`` on a descriptor held open, never through a memory map: a file
 that another process truncated, zeroed or damaged gives a short read or a digest mismatch, never
@@ -16,10 +16,10 @@ a file-size limit) loses the page it was writing instead of raising; ``write_err
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 
-import blake3
 import jax
 import numpy as np
 
@@ -28,6 +28,10 @@ _DIGEST_BYTES = 16
 
 class LostPageError(RuntimeError):
     """A disk page was read that ``check`` had not passed in this step (it changed meanwhile)."""
+
+
+def _digest(record: bytes) -> bytes:
+    return hashlib.blake2b(record, digest_size=_DIGEST_BYTES).digest()
 
 
 class PageFile:
@@ -91,7 +95,7 @@ class PageFile:
             record = os.pread(self._fd, self.record_bytes, page * self.record_bytes)
         except OSError:
             return None
-        if len(record) != self.record_bytes or blake3.blake3(record).digest(_DIGEST_BYTES) != digest:
+        if len(record) != self.record_bytes or _digest(record) != digest:
             return None
         return record
 
@@ -110,7 +114,7 @@ class PageFile:
             if written != len(record):
                 self.write_errors += 1
                 continue
-            self._digests[page] = blake3.blake3(record).digest(_DIGEST_BYTES)
+            self._digests[page] = _digest(record)
 
     def check(self, page: int) -> bool:
         """Whether ``page`` still holds what was last written to it. A page that passes is kept
