@@ -58,8 +58,6 @@ class PageFile:
         """Records that passed ``check`` since the last ``end_step``: what ``read`` serves."""
         self.write_errors = 0
         """Writes that failed (their pages are lost)."""
-        self.lost_pages = 0
-        """Pages found damaged or missing by ``check``."""
 
     def close(self) -> None:
         """Closes and removes the file (idempotent)."""
@@ -123,8 +121,7 @@ class PageFile:
             return True
         record = self._read_verified(page)
         if record is None:
-            if self._digests.pop(page, None) is not None:
-                self.lost_pages += 1
+            self._digests.pop(page, None)
             return False
         self._checked[page] = record
         return True
