@@ -31,7 +31,8 @@ from tqdm import tqdm
 from experiments import report
 from experiments.workloads.trace import OP_KINDS, TraceRequest, make_manager, make_trace, replay
 from kvjax.config import KvCacheConfig, SchedulerConfig
-from kvjax.manager import KVCacheManager, Scheduler, SchedulerRequest
+from kvjax.engine.scheduler import Scheduler, SchedulerRequest
+from kvjax.manager import KVCacheManager
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)

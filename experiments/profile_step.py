@@ -6,7 +6,6 @@ See ``configs/profile_step.py`` for the rows and the command.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import math
 import pathlib
@@ -21,10 +20,12 @@ import numpy as np
 from experiments import report
 from experiments.timing import machine_limits, median_seconds
 from kvjax import attention
-from kvjax.cache import NULL_PAGE, CacheLayout, PagePool
+from kvjax.cache import CacheLayout, PagePool
 from kvjax.cache.pool import slot_mapping, write_layer
 from kvjax.config import KvCacheConfig, SchedulerConfig
-from kvjax.engine import Engine, pow2_bucket, prefill_bucket, table_width
+from kvjax.engine import Engine, prefill_bucket
+from kvjax.engine.runner import StepInputs, step_inputs
+from kvjax.engine.scheduler import ScheduledRequest
 from kvjax.model.config import ModelConfig
 from kvjax.model.registry import load_model
 from kvjax.model.transformer import Params, embed_tokens, forward, linear, logits_of
@@ -37,47 +38,33 @@ _SHAPE = re.compile(r"(f32|bf16|f16|s32|s8|u8|f8e4m3fn|pred)\[([\d,]*)\]")
 _BYTES = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fn": 1, "pred": 1}
 
 
-@dataclasses.dataclass(frozen=True)
-class StepArgs:
-    """The arguments the engine passes to ``forward`` for one step (see ``Engine._run``)."""
-
-    tokens: jax.Array  # [S, T] int32
-    positions: jax.Array  # [S, T] int32, -1 = padding
-    block_tables: tuple[jax.Array, ...]  # per layer group, [S, width] int32
-    lengths: jax.Array  # [S] int32
-
-
-def step_args(layout: CacheLayout, row: str, context: int, vocab_size: int, seed: int = 0) -> StepArgs:
-    """Engine-shaped inputs of a ``decode_b<S>`` row (S sequences of ``context`` cached tokens
-    decoding one token each; rows padded to a power of two), a ``prefill_<T>`` row (one
-    sequence, T tokens from position 0, padded like a prefill chunk) or an ``extend_<T>_<C>``
-    row (one sequence, T new tokens after C cached ones: a prefix hit). Sequences own disjoint
+def step_args(layout: CacheLayout, row: str, context: int, vocab_size: int, seed: int = 0) -> StepInputs:
+    """Engine-shaped inputs (``kvjax.engine.runner.step_inputs``, as the engine pads a step) of
+    a ``decode_b<S>`` row (S sequences of ``context`` cached tokens decoding one token each), a
+    ``prefill_<T>`` row (one sequence, T tokens from position 0) or an ``extend_<T>_<C>`` row
+    (one sequence, T new tokens after C cached ones: a prefix hit). Sequences own disjoint
     pages, allocated from page 1 upwards."""
     kind, *sizes = row.split("_")
     if kind == "decode" and len(sizes) == 1 and sizes[0].startswith("b") and sizes[0][1:].isdigit():
         seqs, new, start = int(sizes[0][1:]), 1, context
-        rows, t = pow2_bucket(seqs), 1
     elif kind == "prefill" and len(sizes) == 1 and sizes[0].isdigit():
         seqs, new, start = 1, int(sizes[0]), 0
-        rows, t = 1, prefill_bucket(new)
     elif kind == "extend" and len(sizes) == 2 and all(s.isdigit() for s in sizes):
         seqs, new, start = 1, int(sizes[0]), int(sizes[1])
-        rows, t = 1, prefill_bucket(new)
     else:
         raise ValueError(f"row={row!r} must be 'decode_b<batch>', 'prefill_<tokens>' or 'extend_<tokens>_<cached>'")
     rng = np.random.default_rng(seed)
-    tokens = np.zeros((rows, t), np.int32)
-    positions = np.full((rows, t), -1, np.int32)
-    lengths = np.zeros(rows, np.int32)
-    tokens[:seqs, :new] = rng.integers(0, vocab_size, (seqs, new))
-    positions[:seqs, :new] = np.arange(start, start + new)
-    lengths[:seqs] = start + new
+    prefill = kind != "decode"
+    works = [
+        ScheduledRequest(str(i), tuple(int(t) for t in rng.integers(0, vocab_size, new)), start, prefill, True)
+        for i in range(seqs)
+    ]
     pages = layout.pages_for(start + new)
-    width = table_width(pages)
-    table = np.full((rows, width), NULL_PAGE, np.int32)
-    table[:seqs, :pages] = 1 + np.arange(seqs * pages).reshape(seqs, pages)
-    tables = tuple(jnp.asarray(table) for _ in range(layout.num_groups))
-    return StepArgs(jnp.asarray(tokens), jnp.asarray(positions), tables, jnp.asarray(lengths))
+
+    def table_of(request_id: str, group: int) -> list[int]:
+        return list(1 + int(request_id) * pages + np.arange(pages))
+
+    return step_inputs(layout, works, prefill_bucket(new) if prefill else 1, table_of)
 
 
 def hlo_ops(hlo_text: str) -> dict[str, dict]:
@@ -149,7 +136,7 @@ def op_times(trace_dir: pathlib.Path) -> dict[str, tuple[float, int]]:
     return {name: (ns, n) for name, (ns, n) in times.items()}
 
 
-def compile_row(engine: Engine, row: str, config: ml_collections.ConfigDict) -> tuple[StepArgs, jax.stages.Compiled]:
+def compile_row(engine: Engine, row: str, config: ml_collections.ConfigDict) -> tuple[StepInputs, jax.stages.Compiled]:
     """The engine's arguments for one row and ``forward`` compiled for them (logits of each
     row's last token, as the engine asks when it samples)."""
     model = engine.model
@@ -160,7 +147,7 @@ def compile_row(engine: Engine, row: str, config: ml_collections.ConfigDict) -> 
 
 
 def profile_row(
-    engine: Engine, args: StepArgs, compiled: jax.stages.Compiled, row: str, config: ml_collections.ConfigDict,
+    engine: Engine, args: StepInputs, compiled: jax.stages.Compiled, row: str, config: ml_collections.ConfigDict,
     workdir: pathlib.Path,
 ) -> tuple[dict, list[dict]]:
     """Traces the compiled forward of one row (trace under ``workdir/trace/<row>``, HLO in
@@ -266,7 +253,7 @@ def products_only(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x, kept
 
 
-def components(engine: Engine, args: StepArgs, full: jax.stages.Compiled, row: str,
+def components(engine: Engine, args: StepInputs, full: jax.stages.Compiled, row: str,
                config: ml_collections.ConfigDict) -> dict:
     """Wall ms of one row's forward split by what it runs, each part compiled as its own
     program at the row's shapes and timed as the median over ``component_rounds`` interleaved

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-import kvjax.engine.engine
+import kvjax.engine.runner
 from kvjax.config import ConfigError, KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.registry import Model
@@ -110,14 +110,14 @@ def test_a_prefill_that_raises_finishes_alone(model, alone, monkeypatch):
     """A forward that raises for one request's prefill finishes that request with an error;
     the others give their solo outputs and the cache stays consistent."""
     poison = 96
-    real_forward = kvjax.engine.engine.forward
+    real_forward = kvjax.engine.runner.forward
 
     def forward(params, pool, tokens, *args, **kwargs):
         if (np.asarray(tokens) == poison).any():
             raise FloatingPointError("injected fault")
         return real_forward(params, pool, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(kvjax.engine.engine, "forward", forward)
+    monkeypatch.setattr(kvjax.engine.runner, "forward", forward)
     engine = make_engine(model)
     ids = [engine.submit(p, GREEDY) for p in PROMPTS[:2]]
     bad = engine.submit([5, poison, 6], GREEDY)
@@ -135,14 +135,14 @@ def test_a_decode_that_raises_inside_a_batch_finishes_alone(model, alone, monkey
     error after its two tokens, the others give their solo outputs."""
     victim = list(range(20, 40))
     [victim_alone] = make_engine(model).generate([victim], GREEDY)
-    real_forward = kvjax.engine.engine.forward
+    real_forward = kvjax.engine.runner.forward
 
     def forward(params, pool, tokens, positions, *args, **kwargs):
         if np.asarray(tokens).shape[1] == 1 and (np.asarray(positions) == 21).any():
             raise FloatingPointError("decode fault")
         return real_forward(params, pool, tokens, positions, *args, **kwargs)
 
-    monkeypatch.setattr(kvjax.engine.engine, "forward", forward)
+    monkeypatch.setattr(kvjax.engine.runner, "forward", forward)
     engine = make_engine(model)
     ids = [engine.submit(p, GREEDY) for p in (PROMPTS[0], victim, PROMPTS[1])]
     outs = {o.request_id: o for o in engine.run()}

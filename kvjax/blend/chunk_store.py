@@ -200,8 +200,9 @@ class ChunkStore:
 
     # ------------------------------------------------------------------ lookup
     def acquire(self, sequences: Sequence[Sequence[int]], cache_salt: str | None = "") -> Lease:
-        """Takes references on the cached blocks of each token sequence and brings host blocks
-        back to the device (the engine executes the onboards now).
+        """Takes references on the cached blocks of each token sequence; host blocks among them
+        are queued to come back to the device: run ``StepContext.execute_page_ops`` before
+        reading the lease's slots.
 
         Args:
           sequences: full token sequences as stored (``stored_tokens(chunk)`` for a chunk; an
@@ -222,7 +223,6 @@ class ChunkStore:
         except Exception:
             self.release(Lease(tuple(ids), (), ()))
             raise
-        self.engine.execute_page_ops()
         self.stats.onboarded_pages += manager.stats.onboarded_pages - onboarded
         return Lease(tuple(ids), tuple(tables), tuple(covered))
 

@@ -61,7 +61,8 @@ from kvjax.blend.selection import (
 )
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
-from kvjax.engine import Engine, table_width
+from kvjax.engine import table_width
+from kvjax.engine.runner import StepContext
 from kvjax.manager.hashing import InternalScope
 
 
@@ -107,9 +108,10 @@ class ChunkReuse:
         suffix = self.spans[-1][1] if self.spans else num_tokens - 1
         return Roles(num_tokens=num_tokens, prefix_len=prefix, chunk_spans=self.spans, suffix_start=suffix)
 
-    def check(self, engine: Engine, prompt: Sequence[int]) -> None:
-        """Raises ValueError naming the field that does not fit ``prompt`` on ``engine``."""
-        if not isinstance(self.store, ChunkStore) or self.store.engine is not engine:
+    def check(self, context: StepContext, prompt: Sequence[int]) -> None:
+        """Raises ValueError naming the field that does not fit ``prompt`` on the engine whose
+        step context is ``context``."""
+        if not isinstance(self.store, ChunkStore) or self.store.engine.manager is not context.manager:
             raise ValueError("chunks.store must be a ChunkStore of this engine")
         if not isinstance(self.selection, SelectionConfig):
             raise ValueError(f"chunks.selection must be a SelectionConfig, got {type(self.selection).__name__}")
@@ -131,11 +133,11 @@ class ChunkReuse:
                 raise ValueError(f"chunks.{field}={value!r} must be an int in [{low}, {high if high is not None else 'inf'})")
         if self.scope is not None and not (isinstance(self.scope, str) and self.scope):
             raise ValueError(f"chunks.scope={self.scope!r} must be None or a non-empty str")
-        num_layers = engine.model.config.num_layers
+        num_layers = context.cfg.num_layers
         if self.selection.selector in SCHEDULE_SELECTORS and schedule(self.selection)[0][-1] >= num_layers:
             raise ValueError(
                 f"chunks.selection.check_layers={self.selection.check_layers} must be < num_layers={num_layers} "
-                f"of the model {engine.model.config.name!r} (selector {self.selection.selector!r} checks there)"
+                f"of the model {context.cfg.name!r} (selector {self.selection.selector!r} checks there)"
             )
         if self.selection.selector == "oracle":
             if self.scores is None:
@@ -147,10 +149,10 @@ class ChunkReuse:
         return estimated_rows(self.roles(num_tokens), self.selection, num_layers)
 
     def prefill(
-        self, engine: Engine, request_id: str, prompt: Sequence[int], num_cached: int
+        self, context: StepContext, request_id: str, prompt: Sequence[int], num_cached: int
     ) -> tuple[jax.Array, dict | None, BlendReport]:
         """The engine's call for this request's prompt: ``blended_prefill`` with these chunks."""
-        return blended_prefill(engine, request_id, prompt, num_cached, self)
+        return blended_prefill(context, request_id, prompt, num_cached, self)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,11 +184,13 @@ class BlendReport:
 
 
 def blended_prefill(
-    engine: Engine, request_id: str, prompt: tuple[int, ...], num_cached: int, reuse: ChunkReuse
+    context: StepContext, request_id: str, prompt: tuple[int, ...], num_cached: int, reuse: ChunkReuse
 ) -> tuple[jax.Array, dict | None, BlendReport]:
     """Blended prefill of a scheduled request into its allocated pages.
 
     Args:
+      context: the engine's step context (weights, model config, layout, manager); its pool
+        takes the pages the prefill writes.
       prompt: the request's tokens; its pages cover them all.
       num_cached: leading tokens whose KV its pages already hold (blend-scope match).
 
@@ -195,14 +199,14 @@ def blended_prefill(
       (``fusor.blend_prefill``), report).
     """
     t0 = time.perf_counter()
-    store, manager = reuse.store, engine.manager
-    cfg = engine.model.config
+    store, manager, layout = reuse.store, context.manager, context.layout
+    cfg = context.cfg
     n = len(prompt)
     roles = reuse.roles(n)
     p = roles.prefix_len
     padded = round_up(n, reuse.token_bucket)
-    ps = engine.layout.tokens_per_block
-    own = [manager.block_table(request_id, g) for g in range(engine.layout.num_groups)]
+    ps = layout.tokens_per_block
+    own = [manager.block_table(request_id, g) for g in range(layout.num_groups)]
     # Tokens matched in the blend scope: their fused KV is already in the request's own pages
     # (a windowed group shows the null page outside its window; no row attends there).
     cached = np.arange(num_cached)
@@ -225,6 +229,7 @@ def blended_prefill(
             store.release(prefix_lease)
         raise
     try:
+        context.execute_page_ops()  # the leases' onboards
         prefix_hit = 0
         if prefix_lease is not None:
             hit = range(num_cached, max(num_cached, min(prefix_lease.covered[0], p)))
@@ -263,7 +268,7 @@ def blended_prefill(
             reuse.selection, padded, cfg.num_layers, forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
             num_cached=num_cached, exact_len=exact_len, scores=reuse.scores,
         )
-        width = table_width(engine.layout.pages_for(padded))
+        width = table_width(layout.pages_for(padded))
         block_table = np.full((len(own), width), NULL_PAGE, np.int32)
         for g, table in enumerate(own):
             block_table[g, : len(table)] = table
@@ -282,9 +287,9 @@ def blended_prefill(
                                num_logits=reuse.num_prompt_logits)
         load_s = time.perf_counter() - t0
         phases: dict[str, float] = {}
-        logits, engine.pool, recomputed, trace = blend_prefill(
-            engine.model.params, engine.pool, inputs, cfg=cfg, layout=engine.layout, plan=blend_plan,
-            attn_impl=engine.attn_impl, phases=phases,
+        logits, context.pool, recomputed, trace = blend_prefill(
+            context.params, context.pool, inputs, cfg=cfg, layout=layout, plan=blend_plan,
+            attn_impl=context.attn_impl, phases=phases,
         )
     finally:  # the chunk blocks stay referenced until the fusor has read them
         store.release(lease)

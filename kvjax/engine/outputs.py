@@ -1,13 +1,16 @@
-"""What the engine keeps per request (``RequestRecord``) and what it returns (``RequestOutput``)."""
+"""What the engine keeps per request (``RequestRecord``, in ``Records``) and what it returns
+(``RequestOutput``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Iterable
 
 import numpy as np
 
 from kvjax.engine.requests import ChunkedPrompt
-from kvjax.manager.scheduler import SchedulerRequest
+from kvjax.engine.scheduler import SchedulerRequest
 from kvjax.sampling import SamplingParams
 
 
@@ -39,6 +42,73 @@ class RequestRecord:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None
+
+    def restart(self) -> None:
+        """Forgets what a preempted request produced (it starts over when re-admitted); a
+        blended request keeps its prompt logits, which its prefill sets again."""
+        self.num_preemptions += 1
+        self.logits.clear()
+        self.prompt_logits = None if self.chunks is None else self.prompt_logits
+        self.first_token_time = None
+
+
+class Records(dict[str, RequestRecord]):
+    """The engine's request records by id: live requests, and the last ``max_finished``
+    finished ones (older finished records are forgotten, oldest first).
+
+    Args:
+      max_finished: finished records kept, >= 1.
+    """
+
+    def __init__(self, max_finished: int) -> None:
+        super().__init__()
+        self.max_finished = max_finished
+        self._finished: dict[str, None] = {}  # finished ids, oldest first (an insertion-ordered set)
+
+    def finish(self, request_id: str, reason: str | None, error: str | None) -> None:
+        """Marks a request finished now (``reason`` None: by its stop token or length)."""
+        record = self[request_id]
+        record.finished, record.finish_time = True, time.perf_counter()
+        record.finish_reason, record.error = reason, error
+        self._finished[request_id] = None
+        while len(self._finished) > self.max_finished:
+            oldest = next(iter(self._finished))
+            del self._finished[oldest]
+            del self[oldest]
+
+    def sampled(self, request_ids: Iterable[str]) -> None:
+        """Stamps the first token's time on requests that sampled their first token now."""
+        now = time.perf_counter()
+        for rid in request_ids:
+            record = self[rid]
+            record.first_token_time = now if record.first_token_time is None else record.first_token_time
+
+    def trim_logits(self, request_ids: Iterable[str]) -> None:
+        """Drops kept logits past each request's output (a speculative step emits tokens past
+        a stop or ``max_new_tokens``, which the scheduler cuts)."""
+        for rid in request_ids:
+            record = self[rid]
+            del record.logits[len(record.sched.output_token_ids) :]
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request (its id may be reused); raises if the id is live."""
+        record = self.get(request_id)
+        if record is None:
+            return
+        if not record.finished:
+            raise ValueError(f"request_id={request_id!r} is already in use by a request that has not finished")
+        del self[request_id]
+        self._finished.pop(request_id, None)
+
+    def output(self, request_id: str) -> RequestOutput:
+        """A request's output so far (final once ``finish_reason`` is set)."""
+        record = self.get(request_id)
+        if record is None:
+            raise KeyError(
+                f"request_id={request_id!r} is unknown: never submitted, or finished and forgotten "
+                f"(outputs of the last max_finished_requests={self.max_finished} finished requests are kept)"
+            )
+        return to_output(request_id, record)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from kvjax.engine.buckets import pow2_bucket
 from kvjax.engine.outputs import RequestRecord
 from kvjax.manager import hashing
 from kvjax.manager.interface import CacheManager
-from kvjax.manager.scheduler import ScheduledRequest, SchedulerRequest
+from kvjax.engine.scheduler import ScheduledRequest, SchedulerRequest
 from kvjax.manager.state_snapshots import StateSnapshotIndex
 from kvjax.model.config import ModelConfig
 

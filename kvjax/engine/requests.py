@@ -1,19 +1,26 @@
-"""What a submission is checked against before any engine state changes: prompt token ids,
-optional string fields, the ``ChunkedPrompt`` protocol of a blended request, and the request
-features Manager V2 lacks."""
+"""What an engine's options and a submission are checked against before any state changes:
+the options (``check_engine_options``), prompt token ids,
+sampling, optional string fields, LoRA and multimodal items, the ``ChunkedPrompt`` protocol of
+a blended request, and the request features Manager V2 lacks; ``scheduler_request`` builds the
+scheduler's entry from arguments that passed."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import jax
+import numpy as np
 
-from kvjax.config import KvCacheRetentionConfig, as_retention_config
-from kvjax.manager import hashing
+from kvjax import attention
+from kvjax.config import KvCacheRetentionConfig, SpeculativeConfig, as_retention_config
+from kvjax.engine.scheduler import SchedulerRequest
+from kvjax.manager import MultimodalItem, hashing
+from kvjax.model.config import ModelConfig
+from kvjax.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from kvjax.engine.engine import Engine
+    from kvjax.engine.runner import StepContext
 
 
 def check_token_ids(token_ids: object, vocab_size: int, field: str = "prompt_token_ids") -> tuple[int, ...]:
@@ -40,17 +47,19 @@ class ChunkedPrompt(Protocol):
     def salt(self) -> str:
         """Cache scope of the request's blocks (used as its ``cache_salt``)."""
 
-    def check(self, engine: Engine, prompt: Sequence[int]) -> None:
-        """Raises ``ValueError`` naming the field that does not fit ``prompt`` on ``engine``."""
+    def check(self, context: StepContext, prompt: Sequence[int]) -> None:
+        """Raises ``ValueError`` naming the field that does not fit ``prompt`` on the engine
+        whose step context is ``context``."""
 
     def num_rows(self, num_tokens: int, num_layers: int) -> int:
         """Rows the prefill of a ``num_tokens`` prompt recomputes, averaged over layers."""
 
     def prefill(
-        self, engine: Engine, request_id: str, prompt: Sequence[int], num_cached: int
+        self, context: StepContext, request_id: str, prompt: Sequence[int], num_cached: int
     ) -> tuple[jax.Array, dict | None, object]:
         """Runs the prompt (``num_cached`` leading tokens already in its pages) on the request's
-        pages; returns (the last prompt positions' logits [R, V], a trace or None, a report)."""
+        pages of ``context.pool``; returns (the last prompt positions' logits [R, V], a trace
+        or None, a report)."""
 
 
 def check_optional_str(field: str, value: object) -> None:
@@ -58,9 +67,96 @@ def check_optional_str(field: str, value: object) -> None:
         raise ValueError(f"{field}={value!r} must be None or a non-empty str")
 
 
-def check_v2_request(retention: KvCacheRetentionConfig | dict | None, chunks: ChunkedPrompt | None) -> None:
-    """Raises ValueError for a request feature Manager V2 lacks (retention priorities, CacheBlend chunks)."""
-    if retention is not None and as_retention_config(retention) != KvCacheRetentionConfig():
+def check_request_features(
+    context: StepContext,
+    prompt: tuple[int, ...],
+    retention: KvCacheRetentionConfig | dict | None,
+    chunks: ChunkedPrompt | None,
+    cache_salt: str | None,
+    lora_id: int | None,
+    mm_items: Sequence[MultimodalItem],
+    *,
+    manager_v2: bool,
+    hybrid: bool,
+) -> str | None:
+    """Raises ``ValueError`` for a request feature the engine lacks (Manager V2: retention
+    priorities and CacheBlend chunks; hybrid models: chunks) or a blended request's bad
+    field; returns the request's cache salt (a blended request's is ``chunks.salt``)."""
+    if manager_v2 and retention is not None and as_retention_config(retention) != KvCacheRetentionConfig():
         raise ValueError("retention: per-request retention priorities need the V1 manager (use_kv_cache_manager_v2='false')")
-    if chunks is not None:
+    if chunks is None:
+        return cache_salt
+    if manager_v2:
         raise ValueError("chunks: CacheBlend chunk reuse needs the V1 manager (use_kv_cache_manager_v2='false')")
+    if hybrid:
+        raise ValueError(f"chunks: CacheBlend chunk reuse is not supported for the hybrid model {context.cfg.name!r}")
+    if cache_salt is not None or lora_id is not None or mm_items:
+        raise ValueError("a request with chunks takes no cache_salt, lora_id or mm_items (its scope is chunks.salt)")
+    chunks.check(context, prompt)
+    return chunks.salt
+
+
+def scheduler_request(
+    prompt: tuple[int, ...],
+    sampling: SamplingParams,
+    cfg: ModelConfig,
+    ids: Iterator[int],
+    *,
+    request_id: str | None,
+    retention: KvCacheRetentionConfig | dict | None,
+    cache_salt: str | None,
+    lora_id: int | None,
+    mm_items: Sequence[MultimodalItem],
+) -> SchedulerRequest:
+    """A request's scheduler entry from a checked prompt; raises ``ValueError`` (``ConfigError``
+    for ``retention``) naming the first argument that does not fit ``cfg``'s model.
+
+    Args:
+      ids: the engine's counter of generated ids (``request_id=None`` takes ``req-<next>``).
+    """
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if sampling.stop_token_id is not None and sampling.stop_token_id >= cfg.vocab_size:
+        raise ValueError(f"sampling.stop_token_id={sampling.stop_token_id} must be in [0, {cfg.vocab_size})")
+    check_optional_str("request_id", request_id)
+    check_optional_str("cache_salt", cache_salt)
+    retention = as_retention_config(retention)
+    if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, (int, np.integer)) or lora_id < 0):
+        raise ValueError(f"lora_id={lora_id!r} must be None or an int >= 0")
+    if not all(isinstance(item, MultimodalItem) for item in mm_items):
+        raise ValueError(f"mm_items must be a sequence of MultimodalItem, got {list(mm_items)[:3]!r}")
+    stop = None if sampling.ignore_eos else (
+        sampling.stop_token_id if sampling.stop_token_id is not None else cfg.eos_ids[0]
+    )
+    return SchedulerRequest(
+        request_id=request_id if request_id is not None else f"req-{next(ids)}",
+        prompt_token_ids=prompt, max_new_tokens=sampling.max_new_tokens, eos_token_id=stop,
+        retention=retention, cache_salt=cache_salt, lora_id=lora_id, mm_items=tuple(mm_items),
+    )
+
+
+def check_engine_options(
+    cfg: ModelConfig,
+    max_seq_len: int | None,
+    attn_impl: str,
+    max_finished_requests: int,
+    speculative: SpeculativeConfig | None,
+) -> None:
+    """Raises ``ValueError`` naming the first ``Engine`` option that does not fit ``cfg``'s model."""
+    if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+        raise ValueError(f"speculative must be None or a SpeculativeConfig, got {type(speculative).__name__}")
+    if isinstance(max_finished_requests, bool) or not isinstance(max_finished_requests, int) or max_finished_requests < 1:
+        raise ValueError(f"max_finished_requests={max_finished_requests!r} must be an int >= 1")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                    or not 1 <= max_seq_len <= cfg.max_seq_len):
+        raise ValueError(
+            f"max_seq_len={max_seq_len!r} must be None (the model's {cfg.max_seq_len}) or an int in "
+            f"[1, {cfg.max_seq_len}] (the model's max_seq_len)"
+        )
+    if attn_impl not in attention.IMPLS:
+        raise ValueError(f"attn_impl={attn_impl!r} must be one of {attention.IMPLS}")
+    if cfg.is_hybrid and speculative is not None:
+        raise ValueError(
+            f"speculative decoding is not supported for the hybrid model {cfg.name!r}: a rejected draft "
+            "cannot be rolled back out of a recurrent state; pass speculative=None"
+        )

@@ -1,11 +1,10 @@
 """Host-side KV cache manager: block keys, radix tree, priority-LRU eviction, host offload,
-windows, events and the prefix-aware scheduler."""
+windows, events, and the one interface (``CacheManager``) its two implementations share."""
 
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import InternalScope, MultimodalItem, block_key, mm_hash, root_key
 from kvjax.manager.interface import CacheManager
 from kvjax.manager.manager import KVCacheManager, OutOfPagesError
-from kvjax.manager.scheduler import ScheduledRequest, Scheduler, SchedulerRequest, StepPlan
 from kvjax.manager.state import ConsistencyError, SnapshotError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
@@ -21,11 +20,7 @@ __all__ = [
     "OutOfPagesError",
     "PageOp",
     "RequestStats",
-    "ScheduledRequest",
-    "Scheduler",
-    "SchedulerRequest",
     "SnapshotError",
-    "StepPlan",
     "block_key",
     "mm_hash",
     "root_key",

@@ -75,8 +75,14 @@ class CacheManager(Protocol):
         cache_salt: str | None = None,
         lora_id: int | None = None,
         mm_items: Sequence[MultimodalItem] = (),
-    ) -> int:
-        """Registers a request, reserving its reusable prefix; returns the reused tokens."""
+        admit: Callable[[int], bool] | None = None,
+    ) -> int | None:
+        """Registers a request, reserving its reusable prefix; returns the reused tokens.
+
+        ``admit``, if given, is called once with the tokens the request would reuse, after the
+        match and before anything is reserved: if it returns False nothing is registered and
+        ``add_request`` returns None (the scheduler's admission asks the manager once).
+        """
 
     def allocate(self, request_id: str, num_total_tokens: int) -> None:
         """Pages for the request's first ``num_total_tokens`` tokens (``OutOfPagesError``: none changed)."""

@@ -266,12 +266,14 @@ class KVCacheManager(LayoutGeometry):
         cache_salt: str | None = None,
         lora_id: int | None = None,
         mm_items: Sequence[MultimodalItem] = (),
-    ) -> int:
+        admit: Callable[[int], bool] | None = None,
+    ) -> int | None:
         """Registers a request and reserves its reusable prefix; returns the reused token count.
 
         Host blocks of the prefix are onboarded and a partially matching last block is copied
         (page ops queued). If a group lacks the pages for that, the request starts without
-        reuse rather than failing.
+        reuse rather than failing. ``admit`` (see ``CacheManager.add_request``) may decline the
+        request once its reusable tokens are known: then nothing is registered and it returns None.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
@@ -283,6 +285,8 @@ class KVCacheManager(LayoutGeometry):
         plan = self._plan(prompt, keys, root, items)
         if not self._fits(plan):
             plan = _Plan(0, 0, 0, [_GroupPlan(0, []) for _ in self.pools])
+        if admit is not None and not admit(plan.num_tokens):
+            return None
         stats = RequestStats(
             prompt_tokens=len(prompt),
             reused_tokens=plan.num_tokens,

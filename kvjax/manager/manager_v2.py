@@ -17,7 +17,7 @@ layer groups keep every block of a sequence (no release outside the window).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import jax
@@ -200,9 +200,11 @@ class KVCacheManagerV2(LayoutGeometry):
         cache_salt: str | None = None,
         lora_id: int | None = None,
         mm_items: Sequence[MultimodalItem] = (),
-    ) -> int:
+        admit: Callable[[int], bool] | None = None,
+    ) -> int | None:
         """Takes a block-table row and references the longest cached prefix held by every
-        group (at most ``len(prompt) - 1`` tokens); returns the reused token count.
+        group (at most ``len(prompt) - 1`` tokens); returns the reused token count, or None
+        when ``admit`` declines it (see ``CacheManager.add_request``).
 
         Raises:
           ValueError: a bad argument, a retention priority (V1 only), or every row is taken.
@@ -218,6 +220,8 @@ class KVCacheManagerV2(LayoutGeometry):
         prompt = self._check_prompt(prompt_token_ids)
         keys = self.prompt_block_keys(prompt, cache_salt=cache_salt, lora_id=lora_id, mm_items=mm_items)
         num_matched, pages = self._match(keys, len(prompt))
+        if admit is not None and not admit(num_matched * self.tokens_per_block):
+            return None
         row = self._free_rows.pop()
         self.states = tuple(
             F.acquire_prefix(s, row, jnp.asarray(p), num_matched) for s, p in zip(self.states, pages)

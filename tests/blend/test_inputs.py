@@ -94,7 +94,7 @@ def test_prompt_without_chunks_blends_exactly(small):
 def engine_store(small):
     cfg, params = small
     engine = tiny_engine(cfg, params, max_tokens=2048, max_seq_len=160)
-    engine.max_finished_requests = 2
+    engine.requests.max_finished = 2
     return engine, ChunkStore(engine, variant="system", prefix_tokens=tuple(range(3, 8)))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvjax.config import SchedulerConfig
-from kvjax.manager import Scheduler, SchedulerRequest
+from kvjax.engine.scheduler import Scheduler, SchedulerRequest
 
 SYSTEM = list(range(200, 216))  # 16 tokens = 4 blocks
 
@@ -106,3 +106,20 @@ def test_add_rejects_bad_requests(make):
         sched.add(SchedulerRequest("b", (1, 2), max_new_tokens=0))
     with pytest.raises(ValueError, match=r"exceeds max_seq_len=128"):
         sched.add(SchedulerRequest("c", (1,) * 100, max_new_tokens=29))
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_admission_matches_each_prompt_once(make, monkeypatch, aware):
+    """Admitting (or deferring) a waiting prompt plans its prefix match once: one
+    ``add_request``, no separate estimate; a deferred twin is matched again only on a later step."""
+    sched, mgr = _sched(make, aware=aware, chunk=8)
+    plans = []
+    real_plan = type(mgr)._plan
+    monkeypatch.setattr(type(mgr), "_plan", lambda self, *a: plans.append(a[0]) or real_plan(self, *a))
+    monkeypatch.setattr(type(mgr), "estimate_reusable_tokens", lambda *a, **k: pytest.fail("estimate called"))
+    sched.add(SchedulerRequest("a", tuple(SYSTEM + [1, 2]), max_new_tokens=1))
+    sched.add(SchedulerRequest("b", tuple(SYSTEM + [3, 4]), max_new_tokens=1))
+    plan = sched.schedule()
+    assert len(plans) == 2  # "a" admitted, "b" admitted (unaware) or deferred (aware): one match each
+    assert [s.request_id for s in plan.scheduled] == (["a"] if aware else ["a", "b"])
+    assert plan.deferred == (("b",) if aware else ())

@@ -33,11 +33,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from kvjax.config import KvCacheRetentionConfig, SchedulerConfig
 from kvjax.manager.hashing import BlockKey, MultimodalItem
 from kvjax.manager.interface import CacheManager
 from kvjax.manager.manager import OutOfPagesError
+
+
+_Verdict = Literal["admit", "defer", "stop"]
+"""An admission decision (``Scheduler._verdict``)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -317,7 +322,22 @@ class Scheduler:
         req.output_token_ids.clear()
         self.waiting.appendleft(req)
 
+    def _verdict(self, req: SchedulerRequest, estimate: int, budget: int, pending: set[BlockKey]) -> _Verdict:
+        """Whether a waiting request that would reuse ``estimate`` tokens is admitted now:
+        "defer" when its first block to compute is one a running request is still prefilling
+        (prefix-aware scheduling), "stop" when a blended prefill's rows exceed a partly spent
+        budget (admission stops, keeping arrival order), else "admit"."""
+        first = estimate // self.manager.tokens_per_block
+        if self.config.enable_prefix_aware_scheduling and first < len(req.prompt_keys) and req.prompt_keys[first] in pending:
+            return "defer"
+        rows = req.num_prefill_rows
+        if rows is not None and min(rows, len(req.prompt_token_ids) - estimate) > budget and budget < self.config.max_num_tokens:
+            return "stop"
+        return "admit"
+
     def _admit(self, budget: int, slots: int, scheduled: list[ScheduledRequest], deferred: list[str]) -> int:
+        """Admits waiting requests in arrival order into ``scheduled`` (each asks the manager
+        once: ``add_request`` with an ``admit`` check); returns the budget left."""
         cfg = self.config
         aware = cfg.enable_prefix_aware_scheduling
         ps = self.manager.tokens_per_block
@@ -331,19 +351,24 @@ class Scheduler:
             if not slots or not budget:
                 break
             prompt = req.prompt_token_ids
-            kwargs = dict(cache_salt=req.cache_salt, lora_id=req.lora_id, mm_items=req.mm_items)
-            estimate = self.manager.estimate_reusable_tokens(prompt, **kwargs) if aware else 0
-            first = estimate // ps
-            if aware and first < len(req.prompt_keys) and req.prompt_keys[first] in pending:
+            verdict: _Verdict | None = None
+
+            def admit(reusable: int, req: SchedulerRequest = req, budget: int = budget) -> bool:
+                nonlocal verdict
+                verdict = self._verdict(req, reusable if aware else 0, budget, pending)
+                return verdict == "admit"
+
+            reused = self.manager.add_request(
+                req.request_id, prompt, retention=req.retention, cache_salt=req.cache_salt, lora_id=req.lora_id,
+                mm_items=req.mm_items, admit=admit,
+            )
+            if verdict == "defer":
                 deferred.append(req.request_id)
                 continue
-            if req.num_prefill_rows is None:
-                charge = min(cfg.prefill_chunk_size, len(prompt) - estimate, budget)
-            elif min(req.num_prefill_rows, len(prompt) - estimate) > budget and budget < cfg.max_num_tokens:
+            if reused is None:
                 break
-            else:
-                charge = min(req.num_prefill_rows, len(prompt) - estimate, budget)
-            reused = self.manager.add_request(req.request_id, prompt, retention=req.retention, **kwargs)
+            limit = cfg.prefill_chunk_size if req.num_prefill_rows is None else req.num_prefill_rows
+            charge = min(limit, len(prompt) - (reused if aware else 0), budget)
             n = len(prompt) - reused
             if req.num_prefill_rows is None:
                 n = min(cfg.prefill_chunk_size, n, budget)
