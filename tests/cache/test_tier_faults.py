@@ -25,7 +25,7 @@ from kvjax.sampling import SamplingParams
 from kvjax.testing.tiny import tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True, return_logits=True)
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ABSENT_THERE = ("blake3", "gguf", "ml_collections")
 
 

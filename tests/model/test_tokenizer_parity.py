@@ -18,7 +18,7 @@ from kvjax.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
-PARITY = json.loads((pathlib.Path(__file__).parent / "fixtures" / "tokenizer_parity.json").read_text())
+PARITY = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" / "tokenizer_parity.json").read_text())
 GEMMA_SPACE_RUNS = range(138, 168)  # ids of the user-defined pieces for 2..31 spaces
 
 

@@ -18,7 +18,7 @@ from experiments.workloads.frame import chunk_tokens, document_prefix, in_split
 from kvjax import metrics
 from kvjax.testing.byte_tokenizer import byte_tokenizer
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 SLICE = FIXTURES / "squad_new_wiki_slice.json"
 
 
