@@ -10,10 +10,11 @@ Sharding of each array (``-`` = replicated)::
 
     pool k/v     [num_pages, tokens_per_block, num_kv_heads, head_dim]   (pages, -, kv, -)
     wq, wk, wv   [D, heads * head_dim]                            (-, kv)     column-parallel
+    bq, bk, bv   [heads * head_dim]                               (kv)        with their columns
     wo           [H * head_dim, D]                                (kv, -)     row-parallel
     w_gate, w_up [D, F]                                           (-, mlp)    column-parallel
     w_down       [F, D]                                           (mlp, -)    row-parallel
-    norms, embed, block tables, lengths, tokens, positions        replicated
+    norms, embed, lm_head, block tables, lengths, tokens, positions replicated
 
 ``mlp`` is ``("pages", "kv")`` (all devices) when ``ffn_dim`` divides evenly by the mesh,
 else ``"kv"`` (else replicated). The embedding (tied with the output projection) is replicated: splitting the
@@ -137,7 +138,7 @@ def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     split = {
         "wq": PartitionSpec(None, KV), "wk": PartitionSpec(None, KV), "wv": PartitionSpec(None, KV),
         "wo": PartitionSpec(KV, None), "w_gate": PartitionSpec(None, mlp), "w_up": PartitionSpec(None, mlp),
-        "w_down": PartitionSpec(mlp, None),
+        "w_down": PartitionSpec(mlp, None), "bq": PartitionSpec(KV), "bk": PartitionSpec(KV), "bv": PartitionSpec(KV),
     }
 
     def layer(lp: LayerParams) -> LayerParams:
@@ -146,7 +147,8 @@ def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
             for name in LayerParams.__dataclass_fields__
         })
 
-    return Params(embed=PartitionSpec(), layers=tuple(layer(lp) for lp in params.layers), final_norm=PartitionSpec())
+    return Params(embed=PartitionSpec(), layers=tuple(layer(lp) for lp in params.layers), final_norm=PartitionSpec(),
+                  lm_head=None if params.lm_head is None else PartitionSpec())
 
 
 def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:

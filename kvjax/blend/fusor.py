@@ -225,7 +225,10 @@ def prepare(
       (k, v): one [T, K, d] array per layer each (quantized pages dequantized).
     """
     k, v = read_sequence(pool, layout, inputs.page_ids, inputs.offsets, inputs.reused)
-    return tuple(reposition_keys(k[i], inputs.deltas, cfg.layer_rope_theta[i]) for i in range(layout.num_layers)), v
+    return tuple(
+        reposition_keys(k[i], inputs.deltas, cfg.layer_rope_theta[i], cfg.layer_rope_scaling[i])
+        for i in range(layout.num_layers)
+    ), v
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("pool",))
@@ -329,8 +332,8 @@ def layer_step(
 ) -> tuple[RowState, jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
     """``blend_layer`` without a check as its own program.
 
-    ``layer`` only fixes the RoPE base and window, so one compiled step serves every layer
-    with the same pair (see ``representative_layer``).
+    ``layer`` only fixes the RoPE base, scaling and window, so one compiled step serves every
+    layer with the same three (see ``representative_layer``).
 
     Returns:
       (rows, seq_k, seq_v, recomputed [T] bool, probe attention [P, H*d] or None).
@@ -340,9 +343,12 @@ def layer_step(
 
 
 def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
-    """First layer with the same RoPE base and window as ``layer``."""
-    key = (cfg.layer_rope_theta[layer], layout.window_of(layer))
-    return next(i for i in range(cfg.num_layers) if (cfg.layer_rope_theta[i], layout.window_of(i)) == key)
+    """First layer with the same RoPE base, RoPE scaling and window as ``layer``."""
+
+    def key(i: int) -> tuple:
+        return cfg.layer_rope_theta[i], cfg.layer_rope_scaling[i], layout.window_of(i)
+
+    return next(i for i in range(cfg.num_layers) if key(i) == key(layer))
 
 
 initial_rows_jit = jax.jit(initial_rows, static_argnames=("cfg",))

@@ -16,27 +16,28 @@ from __future__ import annotations
 import jax
 
 from kvjax.model.config import ModelConfig
-from kvjax.model.rope import apply_rope
+from kvjax.model.rope import RopeScaling, apply_rope
 
 
-def reposition_keys(keys: jax.Array, deltas: jax.Array, theta: float) -> jax.Array:
+def reposition_keys(keys: jax.Array, deltas: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
     """Rotates stored keys by per-token position deltas.
 
     Args:
       keys: [..., T, K, d] keys rotated for their stored positions.
       deltas: [..., T] int32, actual position - stored position of each token.
       theta: RoPE base of the keys' layer.
+      scaling: RoPE scaling of the keys' layer (``ModelConfig.layer_rope_scaling``).
 
     Returns:
       [..., T, K, d] keys as if computed at the actual positions.
     """
-    return apply_rope(keys, deltas, theta)
+    return apply_rope(keys, deltas, theta, scaling)
 
 
 def reposition_layers(
     cfg: ModelConfig, keys: tuple[jax.Array, ...], deltas: jax.Array
 ) -> tuple[jax.Array, ...]:
-    """``reposition_keys`` for every layer, each with its own RoPE base.
+    """``reposition_keys`` for every layer, each with its own RoPE base and scaling.
 
     Args:
       keys: one [..., T, K, d] array per layer.
@@ -44,4 +45,6 @@ def reposition_layers(
     """
     if len(keys) != cfg.num_layers:
         raise ValueError(f"got keys for {len(keys)} layers; the model has num_layers={cfg.num_layers}")
-    return tuple(reposition_keys(k, deltas, cfg.layer_rope_theta[layer]) for layer, k in enumerate(keys))
+    return tuple(
+        reposition_keys(k, deltas, cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer]) for layer, k in enumerate(keys)
+    )

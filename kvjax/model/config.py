@@ -6,6 +6,8 @@ import dataclasses
 import functools
 import math
 
+from kvjax.model.rope import RopeScaling
+
 LAYER_TYPES = ("attention", "recurrent")
 """Token mixers a layer can have (``ModelConfig.layer_types``)."""
 
@@ -19,6 +21,8 @@ class ModelConfig:
       vocab_size, d_model, num_layers, num_heads, num_kv_heads, head_dim, ffn_dim: shapes.
       rope_theta: RoPE base of full-attention layers.
       rope_local_theta: RoPE base of sliding-window layers (None = rope_theta).
+      rope_scaling: frequency scaling of long-context models (``kvjax.model.rope.RopeScaling``;
+        None = plain RoPE); it applies to every layer but those with their own local base.
       rms_eps: RMSNorm epsilon.
       max_seq_len: context length the model was trained for.
       sliding_window: window of the local layers (None = no local layers).
@@ -48,6 +52,7 @@ class ModelConfig:
     ffn_dim: int
     rope_theta: float = 10_000.0
     rope_local_theta: float | None = None
+    rope_scaling: RopeScaling | None = None
     rms_eps: float = 1e-5
     max_seq_len: int = 8192
     sliding_window: int | None = None
@@ -94,6 +99,13 @@ class ModelConfig:
     def layer_rope_theta(self) -> tuple[float, ...]:
         local = self.rope_local_theta or self.rope_theta
         return tuple(local if self.is_local(i) else self.rope_theta for i in range(self.num_layers))
+
+    @functools.cached_property
+    def layer_rope_scaling(self) -> tuple[RopeScaling | None, ...]:
+        """The RoPE scaling of each layer: ``rope_scaling``, except on local layers that have
+        their own base (``rope_local_theta``, Gemma 3), which rotate unscaled."""
+        own_local = self.rope_local_theta is not None
+        return tuple(None if own_local and self.is_local(i) else self.rope_scaling for i in range(self.num_layers))
 
     def is_recurrent(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer % len(self.layer_types)] == "recurrent"

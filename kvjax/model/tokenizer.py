@@ -1,4 +1,6 @@
-"""Tokenizers built from GGUF metadata with the ``tokenizers`` library, plus chat templates.
+"""Tokenizers built from GGUF metadata (``tokenizer_from_gguf``) or read from a Hugging Face
+folder's ``tokenizer.json`` (``tokenizer_from_hf``) with the ``tokenizers`` library, plus chat
+templates.
 
 ``gpt2`` vocabularies (SmolLM2) become byte-level BPE with the pre-tokenizer llama.cpp
 names; ``llama`` vocabularies with scores (Gemma 3, SentencePiece) become a BPE whose merges
@@ -10,6 +12,8 @@ newlines, spaces and tabs, its HTML tags) are matched whole before BPE, as Sente
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from collections.abc import Sequence
 
 import gguf
@@ -20,6 +24,14 @@ from kvjax.model.gguf_loader import field_value
 
 _CONTROL = int(gguf.TokenType.CONTROL)
 _USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""The ChatML chat template (the Jinja text a ``tokenizer_config.json`` carries), as
+``Tokenizer.apply_chat_template`` renders it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,3 +174,32 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
         chat_format=chat_format,
         default_system=default_system,
     )
+
+
+def tokenizer_from_hf(folder: pathlib.Path, bos_id: int, eos_ids: tuple[int, ...]) -> Tokenizer:
+    """The tokenizer of a Hugging Face checkpoint folder: ``tokenizer.json`` as is, with
+    ``tokenizer_config.json``'s BOS rule and chat template (ChatML templates are rendered;
+    other templates are not: the model then encodes plain text).
+
+    Args:
+      folder: the checkpoint folder.
+      bos_id, eos_ids: the model's special ids (``config.json``); ``<|im_end|>`` joins the
+        stop ids of a ChatML model.
+    """
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} does not exist: a Hugging Face checkpoint folder needs tokenizer.json")
+    backend = tokenizers.Tokenizer.from_file(str(path))
+    settings_path = folder / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    template = settings.get("chat_template") or ""
+    template = template if isinstance(template, str) else " ".join(t.get("template", "") for t in template)
+    chat_format = "chatml" if "<|im_start|>" in template else None
+    end = backend.token_to_id("<|im_end|>")
+    if chat_format == "chatml" and end is not None:
+        eos_ids = tuple(dict.fromkeys((*eos_ids, end)))
+    add_bos = settings.get("add_bos_token")
+    if add_bos is None:  # the post-processor's own rule: does encoding with specials put BOS first?
+        add_bos = backend.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+    return Tokenizer(backend=backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(add_bos),
+                     chat_format=chat_format, default_system=None)

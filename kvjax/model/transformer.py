@@ -54,6 +54,9 @@ class LayerParams:
     w_gate: jax.Array  # [D, F]
     w_up: jax.Array  # [D, F]
     w_down: jax.Array  # [F, D]
+    bq: jax.Array | None = None  # [H*d], attention bias (Qwen2)
+    bk: jax.Array | None = None  # [K*d]
+    bv: jax.Array | None = None  # [K*d]
     q_norm: jax.Array | None = None  # [d]
     k_norm: jax.Array | None = None  # [d]
     post_attn_norm: jax.Array | None = None  # [D]
@@ -65,9 +68,10 @@ class LayerParams:
 
 @flax.struct.dataclass
 class Params:
-    embed: jax.Array  # [V, D], tied with the output projection
+    embed: jax.Array  # [V, D], also the output projection unless lm_head is given
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None = None  # [V, D], an untied output projection
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -101,7 +105,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def unembed(h: jax.Array, embed: jax.Array) -> jax.Array:
-    """The tied output projection: ``h`` [..., D] times ``embed`` [V, D] transposed -> [..., V] float32."""
+    """The output projection: ``h`` [..., D] times ``embed`` [V, D] transposed -> [..., V] float32."""
     if not _as_convolution(h):
         return jnp.einsum("...d,vd->...v", h, embed, preferred_element_type=jnp.float32)
     kernel = h.reshape(-1, h.shape[-1]).T[None]  # [1, D, rows]: the rows as output channels
@@ -134,14 +138,18 @@ def qkv(
       q [S, T, H, d], k [S, T, K, d], v [S, T, K, d].
     """
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
-    q = linear(h, lp.wq).reshape(*h.shape[:2], cfg.num_heads, cfg.head_dim)
-    k = linear(h, lp.wk).reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, lp.wv).reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = (
+        linear(h, w) if b is None else linear(h, w) + b
+        for w, b in ((lp.wq, lp.bq), (lp.wk, lp.bk), (lp.wv, lp.bv))
+    )
+    q = q.reshape(*h.shape[:2], cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_eps)
-    theta = cfg.layer_rope_theta[layer]
-    return apply_rope(q, positions, theta), apply_rope(k, positions, theta), v
+    theta, scaling = cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer]
+    return apply_rope(q, positions, theta, scaling), apply_rope(k, positions, theta, scaling), v
 
 
 def finish_layer(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
@@ -168,9 +176,9 @@ def finish_layer(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Arra
 
 
 def logits_of(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final norm and tied output projection: [..., D] -> [..., V] float32."""
+    """Final norm and output projection (``lm_head``, else the tied embedding): [..., D] -> [..., V] float32."""
     h = rms_norm(x, params.final_norm, cfg.rms_eps)
-    return unembed(h, params.embed)
+    return unembed(h, params.embed if params.lm_head is None else params.lm_head)
 
 
 def attend_layer(

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvjax.model.config import ModelConfig
+from kvjax.model.rope import RopeScaling
 from kvjax.model.transformer import LayerParams, Params
 
 
@@ -20,10 +21,23 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, theta: float) -> np.ndarray:
+def _scaled(inv: np.ndarray, scaling: RopeScaling | None) -> np.ndarray:
+    """Frequencies after HF's ``linear`` or ``llama3`` rope scaling (per wavelength band)."""
+    if scaling is None:
+        return inv
+    if scaling.kind == "linear":
+        return inv / scaling.factor
+    wavelen, old = 2 * np.pi / inv, scaling.original_max_positions
+    low, high = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv / scaling.factor + smooth * inv
+    return np.where(wavelen > low, inv / scaling.factor, np.where(wavelen < high, inv, blended))
+
+
+def _rope(x: np.ndarray, theta: float, scaling: RopeScaling | None) -> np.ndarray:
     """x: [T, heads, d], positions 0..T-1, half rotation."""
     t, _, d = x.shape
-    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    inv = _scaled(1.0 / theta ** (np.arange(0, d, 2) / d), scaling)
     ang = np.arange(t)[:, None] * inv[None, :]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -92,13 +106,14 @@ def numpy_logits(
             o, _ = recurrent_layer_numpy(lp, cfg, h, np.zeros((cfg.num_heads, cfg.head_dim, cfg.head_dim), dtype), dtype)
             x = _mlp(lp, cfg, x, o, p)
             continue
-        q = (h @ p(lp.wq)).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = (h @ p(lp.wk)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = (h @ p(lp.wv)).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = (h @ p(w) + (0 if b is None else p(b)) for w, b in ((lp.wq, lp.bq), (lp.wk, lp.bk), (lp.wv, lp.bv)))
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = _rms(q, p(lp.q_norm), cfg.rms_eps), _rms(k, p(lp.k_norm), cfg.rms_eps)
-        theta = cfg.layer_rope_theta[i]
-        q, k = _rope(q, theta), _rope(k, theta)
+        theta, scaling = cfg.layer_rope_theta[i], cfg.layer_rope_scaling[i]
+        q, k = _rope(q, theta, scaling), _rope(k, theta, scaling)
         k = np.repeat(k, group, axis=1)
         v = np.repeat(v, group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) * cfg.sm_scale
@@ -112,4 +127,5 @@ def numpy_logits(
         x = _mlp(lp, cfg, x, np.einsum("hqk,khd->qhd", probs, v), p)
     if rows is not None:
         x = x[np.asarray(rows)]
-    return _rms(x, p(params.final_norm), cfg.rms_eps) @ p(params.embed).T
+    head = params.embed if params.lm_head is None else params.lm_head
+    return _rms(x, p(params.final_norm), cfg.rms_eps) @ p(head).T
