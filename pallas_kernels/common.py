@@ -1,4 +1,5 @@
-"""Pieces shared by the TPU and GPU attention kernels: validation, row layout, softmax step.
+"""Pieces shared by the attention implementations: the shared arguments and their
+validation, row layout, and the online-softmax step of every kernel and of the blocked XLA form.
 
 The kernels see one KV head at a time. Its query heads (``group`` of them) and the query
 tokens of one block are flattened into *rows*, ordered (query, group)::
@@ -6,12 +7,11 @@ tokens of one block are flattened into *rows*, ordered (query, group)::
     q [s, q, H, d] --> rows [s, h, q * g, d]      row r = query r // g, head r % g of KV head h
 
 Every row carries its query's absolute position; a negative position is a padding row.
-Key slot ``t`` of a sequence is position ``t`` (page ``t // page_size`` of its table).
+Key slot ``j`` of a sequence is position ``j`` (page ``j // tokens_per_block`` of its table).
+Axis letters are ``kvjax/axes.py``'s.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ QUANTIZED_STORAGE = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 def check_inputs(
     q: jax.Array,
-    q_positions: jax.Array,
+    q_positions: jax.Array | None,
     k_pages: jax.Array,
     v_pages: jax.Array,
     lengths: jax.Array,
@@ -36,26 +36,44 @@ def check_inputs(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
 ) -> None:
-    """Trace-time checks of shapes, dtypes and static options; raises ValueError.
+    """Trace-time checks of the attention arguments; raises ValueError naming the one that is off.
+
+    Every implementation of both ops (``partial_attention``: query rows at absolute
+    positions; ``paged_attention``: decode, one query per sequence at ``lengths - 1``, without
+    ``q_positions``) takes these arguments, the arrays positionally in this order and the
+    rest by keyword; this docstring is where they are documented, ``sm_scale`` included
+    (taken by every entry, not checked here).
 
     Args:
-      q: [num_seqs, num_queries, num_heads, head_dim].
-      q_positions: [num_seqs, num_queries] int32.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
-      lengths: [num_seqs] int32.
-      page_indices: [num_seqs, pages_per_seq] int32.
-      sliding_window: None or a positive window in tokens.
-      logit_soft_cap: None or a positive cap.
-      k_scales, v_scales: both None (float pages) or both [num_pages, page_size or 1,
-        num_kv_heads] float32, the scales of int8 / float8_e4m3fn pages.
+      q: partial attention [num_seqs, num_queries, num_heads, head_dim]; decode
+        [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
+      q_positions: partial attention [num_seqs, num_queries] int32 absolute positions, a
+        negative one marks a padding row (its output is zero); decode has none (None here).
+      k_pages, v_pages: [num_pages, tokens_per_block, num_kv_heads, head_dim], one layer's
+        pool; ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA / MQA).
+      lengths: [num_seqs] int32 valid KV slots of each sequence (in decode the new token
+        included; a decode sequence of length 0 is padding and yields zeros). Slots at or
+        past the length may hold anything (never read into the output).
+      page_indices: [num_seqs, pages_per_seq] int32 block tables: key slot ``j`` of sequence
+        ``i`` is ``k_pages[page_indices[i, j // tokens_per_block], j % tokens_per_block]``.
+        Entries past a sequence's length may point anywhere in the pool (e.g. the null page).
+      sm_scale: scale of q·k.
+      sliding_window: None, or a positive window in tokens: a key is visible only if
+        query_pos - key_pos < sliding_window.
+      logit_soft_cap: None, or a positive cap: logits become cap * tanh(logits / cap).
+      k_scales, v_scales: both None (float pages), or both [num_pages, tokens_per_block or 1,
+        num_kv_heads] float32 per-token or per-page scales of int8 / float8_e4m3fn pages
+        (K = k_pages * k_scales), dequantized inside attention.
     """
-    if q.ndim != 4:
-        raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_queries, num_heads, head_dim]")
-    num_seqs, num_queries, num_heads, head_dim = q.shape
+    decode = q_positions is None
+    expected = "[num_seqs, num_heads, head_dim]" if decode else "[num_seqs, num_queries, num_heads, head_dim]"
+    if q.ndim != (3 if decode else 4):
+        raise ValueError(f"q.shape={q.shape} must be {expected}")
+    num_seqs, num_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
             f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} must be equal "
-            "[num_pages, page_size, num_kv_heads, head_dim]"
+            "[num_pages, tokens_per_block, num_kv_heads, head_dim]"
         )
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages.dtype={k_pages.dtype} must equal v_pages.dtype={v_pages.dtype}")
@@ -64,13 +82,14 @@ def check_inputs(
         raise ValueError(f"q head_dim={head_dim} must equal the pages' head_dim={kv_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
-    if q_positions.shape != (num_seqs, num_queries):
-        raise ValueError(f"q_positions.shape={q_positions.shape} must be {(num_seqs, num_queries)}")
+    if not decode and q_positions.shape != q.shape[:2]:
+        raise ValueError(f"q_positions.shape={q_positions.shape} must be {q.shape[:2]}")
     if lengths.shape != (num_seqs,):
         raise ValueError(f"lengths.shape={lengths.shape} must be {(num_seqs,)}")
     if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs:
         raise ValueError(f"page_indices.shape={page_indices.shape} must be [{num_seqs}, pages_per_seq]")
-    for name, array in (("q_positions", q_positions), ("lengths", lengths), ("page_indices", page_indices)):
+    integers = (("lengths", lengths), ("page_indices", page_indices))
+    for name, array in integers if decode else (("q_positions", q_positions), *integers):
         if array.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={array.dtype} must be int32")
     check_scales(k_pages, k_scales, v_scales)
@@ -88,8 +107,8 @@ def check_scales(k_pages: jax.Array, k_scales: jax.Array | None, v_scales: jax.A
         return
     if k_pages.dtype not in QUANTIZED_STORAGE:
         raise ValueError(f"k_pages.dtype={k_pages.dtype} must be int8 or float8_e4m3fn when scales are given")
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    allowed = ((num_pages, page_size, num_kv_heads), (num_pages, 1, num_kv_heads))
+    num_pages, tokens_per_block, num_kv_heads, _ = k_pages.shape
+    allowed = ((num_pages, tokens_per_block, num_kv_heads), (num_pages, 1, num_kv_heads))
     for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
         if scales.shape not in allowed:
             raise ValueError(f"{name}.shape={scales.shape} must be {allowed[0]} (per token) or {allowed[1]} (per page)")
@@ -195,63 +214,90 @@ def visible_mask(
     return visible
 
 
+Carry = tuple[jax.Array, jax.Array, jax.Array]
+"""Online-softmax state of a block of query rows, all float32: running max [..., r, 1],
+denominator [..., r, 1] and unnormalised numerator [..., r, d]."""
+
+
+def initial_carry(rows: tuple[int, ...], head_dim: int) -> Carry:
+    """The state before any key of rows of shape ``rows`` (e.g. ``(block_rows,)``): max
+    ``MASK_VALUE``, denominator and numerator zero."""
+    return (
+        jnp.full((*rows, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((*rows, 1), jnp.float32),
+        jnp.zeros((*rows, head_dim), jnp.float32),
+    )
+
+
 def softmax_step(
+    carry: Carry,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    visible: jax.Array,
-    key_live: jax.Array,
-    m: jax.Array,
-    l: jax.Array,
-    acc: jax.Array,
+    visible: jax.Array | None,
+    key_live: jax.Array | None = None,
     *,
     sm_scale: float,
     logit_soft_cap: float | None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One online-softmax step over a block of keys.
+) -> Carry:
+    """One online-softmax step of a block of query rows over a block of keys.
 
-    Masked logits are replaced, not added to, so a NaN key cannot leak; values outside
-    ``key_live`` (past the length, released by the window: possibly the null page or NaN)
-    are zeroed before ``p @ v`` so that ``0 * NaN`` cannot appear.
+    The step of every Pallas kernel (one [rows, head_dim] tile, traced inside the kernel
+    body) and of the blocked XLA implementation (the same arrays with leading batch axes,
+    e.g. sequences and KV heads).
+
+    Masked logits are replaced by ``MASK_VALUE``, not added to, so a NaN key cannot leak;
+    values outside ``key_live`` (past the length, released by the window: possibly the null
+    page, stale or NaN data) are zeroed before ``p @ v`` so that ``0 * NaN`` cannot appear.
 
     Quantized keys and values are dequantized by folding their scales into the step:
     ``q · (s_k k) = s_k (q · k)`` scales the logits' columns and ``p (s_v v) = (p s_v) v``
     the probabilities' columns, so the ``[block_k, head_dim]`` tiles are only cast.
 
     Args:
-      q: [rows, head_dim].
-      k, v: [block_k, head_dim].
-      visible: [rows, block_k] bool.
-      key_live: [block_k, 1] bool, slots inside the block's ``kv_token_range``; the others'
-        values are zeroed.
-      m, l: [rows, 1] float32 running max and denominator.
-      acc: [rows, head_dim] float32 running numerator.
-      k_scale, v_scale: None (float k, v) or [1, block_k] float32 scales of quantized k, v.
+      carry: the rows' state (see ``Carry``).
+      q: [..., r, d] queries.
+      k, v: [..., k, d] the block's keys and values; ``p`` is cast to v's dtype for ``p @ v``.
+      visible: bool broadcastable to [..., r, k]; None when every row sees every key of the
+        block (no mask is built; padding rows then accumulate garbage the caller zeroes).
+      key_live: bool broadcastable to [..., k, 1], the slots whose values are read (the
+        others' are zeroed); None = the slots some row sees (every slot when ``visible`` is None).
+      sm_scale: scale of q·k (1.0 when q arrives scaled).
+      logit_soft_cap: None, or logits become cap * tanh(logits / cap).
+      k_scale, v_scale: None (float k, v), or float32 scales broadcastable to [..., 1, k] of
+        quantized k, v (with a ``visible`` mask: a masked slot's scale may be anything).
 
     Returns:
-      The updated (m, l, acc).
+      The updated state.
     """
+    m, l, acc = carry
     if k_scale is not None:
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    if key_live is None and visible is not None:
+        key_live = jnp.any(visible, axis=-2)[..., None]
     # f32 inputs ask for exact f32 products (Triton and Mosaic would otherwise use TF32/bf16 passes).
     precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else lax.Precision.DEFAULT
-    dot = functools.partial(lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    logits = dot(q, k, (((1,), (1,)), ((), ())))
+    logits = jnp.einsum("...rd,...kd->...rk", q, k, precision=precision, preferred_element_type=jnp.float32)
     if k_scale is not None:
         logits = logits * k_scale
-    logits = logits * sm_scale  # [rows, block_k]
+    logits = logits * sm_scale  # [..., r, k]
     if logit_soft_cap is not None:
         logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
-    logits = jnp.where(visible, logits, MASK_VALUE)
-    m_next = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))  # [rows, 1]
-    alpha = jnp.exp(m - m_next)  # [rows, 1]
-    p = jnp.where(visible, jnp.exp(logits - m_next), 0.0)  # [rows, block_k]
-    v = jnp.where(key_live, v, jnp.zeros((), v.dtype))  # [block_k, head_dim]
+    if visible is not None:
+        logits = jnp.where(visible, logits, MASK_VALUE)
+    m_next = jnp.maximum(m, jnp.max(logits, axis=-1, keepdims=True))  # [..., r, 1]
+    alpha = jnp.exp(m - m_next)  # [..., r, 1]
+    p = jnp.exp(logits - m_next)  # [..., r, k]
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
+    if key_live is not None:
+        v = jnp.where(key_live, v, jnp.zeros((), v.dtype))  # [..., k, d]
     p_v = p if v_scale is None else jnp.where(visible, p * v_scale, 0.0)  # a masked slot's scale may be anything
-    pv = dot(p_v.astype(v.dtype), v, (((1,), (0,)), ((), ())))
-    l_next = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    pv = jnp.einsum("...rk,...kd->...rd", p_v.astype(v.dtype), v, precision=precision,
+                    preferred_element_type=jnp.float32)
+    l_next = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
     return m_next, l_next, alpha * acc + pv
 
 

@@ -15,7 +15,7 @@ class BlockSizes:
     """Static kernel tiling.
 
     Attributes:
-      block_tokens: KV slots per loop step; ``pages_per_block = block_tokens // page_size``.
+      block_tokens: KV slots per loop step; ``pages_per_block = block_tokens // tokens_per_block``.
       block_q: queries per grid step (partial attention only).
       min_programs: GPU decode splits each sequence's pages into k-splits until
         ``num_seqs * num_kv_heads * k_splits`` reaches this (fills the SMs at small batch).
@@ -28,11 +28,11 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 2
 
-    def pages_per_block(self, page_size: int) -> int:
-        """Pages per loop step for ``page_size`` (at least one)."""
-        if page_size < 1:
-            raise ValueError(f"{page_size=} must be >= 1")
-        return max(1, self.block_tokens // page_size)
+    def pages_per_block(self, tokens_per_block: int) -> int:
+        """Pages per loop step for ``tokens_per_block`` (at least one)."""
+        if tokens_per_block < 1:
+            raise ValueError(f"{tokens_per_block=} must be >= 1")
+        return max(1, self.block_tokens // tokens_per_block)
 
 
 TUNED_BLOCK_SIZES: dict[tuple[str, str], BlockSizes] = {

@@ -29,7 +29,8 @@ float8_e4m3fn values with per-token or per-page scales); their values and scales
 chosen implementation, which dequantizes inside attention. Over a mesh only float pages are
 supported for now.
 
-Shapes follow the glossary in ``pallas_kernels/__init__.py``.
+Axis letters and names are ``kvjax/axes.py``'s; the arguments of both entry points are
+documented (and checked) by ``pallas_kernels.common.check_inputs``.
 """
 
 from __future__ import annotations
@@ -151,7 +152,11 @@ def partial_attention(
     interpret_kernel: Kernel = "gpu",
     mesh: Mesh | None = None,
 ) -> jax.Array:
-    """Query rows at absolute positions over paged KV; see ``partial_attention_ref`` for shapes."""
+    """Query rows at absolute positions over paged KV.
+
+    The attention arguments are ``pallas_kernels.common.check_inputs``'s (pages may be
+    ``QuantizedPages``); ``impl``, ``interpret_kernel`` and ``mesh`` are the module docstring's.
+    """
     return _attend("partial", q, k_pages, v_pages, lengths, page_indices, q_positions, sm_scale=sm_scale,
                    sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, impl=impl,
                    interpret_kernel=interpret_kernel, mesh=mesh)
@@ -171,7 +176,7 @@ def paged_attention(
     interpret_kernel: Kernel = "gpu",
     mesh: Mesh | None = None,
 ) -> jax.Array:
-    """Decode attention, one query per sequence; see ``paged_attention_ref`` for shapes."""
+    """Decode attention, one query per sequence; arguments as in ``partial_attention``, less ``q_positions``."""
     return _attend("paged", q, k_pages, v_pages, lengths, page_indices, None, sm_scale=sm_scale,
                    sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, impl=impl,
                    interpret_kernel=interpret_kernel, mesh=mesh)
@@ -193,8 +198,8 @@ def _over_mesh(
       q: [..., num_heads, head_dim], heads split over ``KV_AXIS`` like the pools' KV heads.
       k_pages, v_pages: [num_pages, tokens_per_block, num_kv_heads, head_dim], sharded
         ``(PAGES_AXIS, -, KV_AXIS, -)``.
-      lengths [S], page_indices [S, pages_per_seq] (global page ids), rest (e.g. query
-        positions): replicated.
+      lengths [s], page_indices [s, p] (global page ids), rest (e.g. query positions):
+        replicated.
 
     Returns:
       Like q, heads split over ``KV_AXIS``.
@@ -217,15 +222,16 @@ def _over_mesh(
 
 def _assemble_runs(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Inside ``shard_map`` over a split page axis: every sequence's pages gathered from the
-    devices that hold them (one all-reduce over ``PAGES_AXIS``) as a pool of ``S *
+    devices that hold them (one all-reduce over ``PAGES_AXIS``) as a pool of ``num_seqs *
     pages_per_seq`` pages with an identity block table.
 
     Args:
       k_pages, v_pages: this device's [num_local_pages, tokens_per_block, kv_heads_local, head_dim].
-      table: [S, pages_per_seq] global page ids.
+      table: [num_seqs, pages_per_seq] global page ids.
 
     Returns:
-      (k, v [S * pages_per_seq, tokens_per_block, kv_heads_local, head_dim], table [S, pages_per_seq]).
+      (k, v [num_seqs * pages_per_seq, tokens_per_block, kv_heads_local, head_dim],
+      table [num_seqs, pages_per_seq]).
     """
     num_local = k_pages.shape[0]
     local_ids = table - jax.lax.axis_index(PAGES_AXIS) * num_local
@@ -233,7 +239,7 @@ def _assemble_runs(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array) -> 
     safe = jnp.clip(local_ids, 0, num_local - 1)
 
     def run(pages: jax.Array) -> jax.Array:
-        gathered = jnp.where(mine, pages[safe], jnp.zeros((), pages.dtype))  # [S, W, page, K, d]
+        gathered = jnp.where(mine, pages[safe], jnp.zeros((), pages.dtype))  # [s, p, t, h, d]
         return jax.lax.psum(gathered, PAGES_AXIS).reshape(-1, *pages.shape[1:])
 
     identity = jnp.arange(table.size, dtype=table.dtype).reshape(table.shape)

@@ -3,7 +3,7 @@ kernel (CPU).
 
 Same contract as ``partial_attention_ref``, computed the way the kernels compute it: query
 rows in blocks of ``block_q``, and for each query block an online softmax over key blocks
-of ``block_k`` slots. The loop's trip count is dynamic: a query block visits only the key
+of ``block_k`` slots, with the kernels' own step (``pallas_kernels.common.softmax_step``). The loop's trip count is dynamic: a query block visits only the key
 blocks between its lowest visible position (the sliding window) and its highest query
 position, so the attention work follows the causal triangle and the sequence's actual
 length, not the block table's width (only the one gather of each sequence's page run
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.common import MASK_VALUE, Carry, check_inputs, initial_carry, softmax_step
 
 BLOCK_Q = 256
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
@@ -54,27 +54,22 @@ def partial_attention(
     """Attention of query rows at absolute positions over paged keys and values.
 
     Args:
-      q: [num_seqs, num_queries, num_heads, head_dim].
-      q_positions: [num_seqs, num_queries] int32; negative = padding row (output zero).
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
-      lengths: [num_seqs] int32 valid KV slots per sequence.
-      page_indices: [num_seqs, pages_per_seq] int32 block table.
-      sm_scale, sliding_window, logit_soft_cap: as in ``partial_attention_ref``.
+      q, q_positions, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window,
+        logit_soft_cap, k_scales, v_scales: the attention arguments
+        (``pallas_kernels.common.check_inputs``); each sequence's run is dequantized once.
       block_q: query rows per block; block_k: key slots per block (>= one page).
-      k_scales, v_scales: None, or the [num_pages, page_size or 1, num_kv_heads] float32
-        scales of int8 / float8_e4m3fn pages (each sequence's run is dequantized once).
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
+    check_inputs(q, q_positions, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
+                 logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales)
     num_seqs, num_queries, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    tokens_per_block, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = num_heads // num_kv_heads
     pages_per_seq = page_indices.shape[1]
-    pages_per_block = max(1, min(block_k // page_size, pages_per_seq))
-    slots_per_block = pages_per_block * page_size
+    pages_per_block = max(1, min(block_k // tokens_per_block, pages_per_seq))
+    slots_per_block = pages_per_block * tokens_per_block
     num_key_blocks = -(-pages_per_seq // pages_per_block)
     page_indices = jnp.pad(page_indices, ((0, 0), (0, num_key_blocks * pages_per_block - pages_per_seq)))
 
@@ -106,7 +101,8 @@ def partial_attention(
                 if sliding_window is not None:
                     visible &= query_pos - key_pos[None, None, :] < sliding_window
                 visible = visible[:, None]  # [s, 1, (g q), k]
-            return key_block_step(carry, qg, runs[0][j], runs[1][j], visible, logit_soft_cap=logit_soft_cap)
+            # qg comes scaled by sm_scale (once per query block, not per key block).
+            return softmax_step(carry, qg, runs[0][j], runs[1][j], visible, sm_scale=1.0, logit_soft_cap=logit_soft_cap)
 
         shape = (num_seqs, num_kv_heads, group * rows)
         carry = over_key_blocks(
@@ -123,61 +119,11 @@ def partial_attention(
     return jnp.concatenate(blocks, axis=1)[:, :num_queries].astype(q.dtype)
 
 
-Carry = tuple[jax.Array, jax.Array, jax.Array]
-"""Online-softmax state of query rows: running max [..., r], denominator [..., r] and
-numerator [..., r, d], all float32."""
-
-
-def initial_carry(shape: tuple[int, ...], head_dim: int) -> Carry:
-    """The state before any key: max MASK_VALUE, denominator and numerator zero."""
-    return (
-        jnp.full(shape, MASK_VALUE, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, head_dim), jnp.float32),
-    )
-
-
-def key_block_step(
-    carry: Carry, qg: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array | None, *,
-    logit_soft_cap: float | None,
-) -> Carry:
-    """One online-softmax step of query rows over one block of keys.
-
-    Args:
-      carry: the rows' state (see ``Carry``).
-      qg: [..., r, d] float32 queries, already scaled by ``sm_scale``.
-      k, v: [..., k, d] the block's keys and values.
-      visible: None when every row sees every key of the block (no mask is built; padding
-        rows then accumulate garbage the caller zeroes), else a bool mask broadcastable to
-        [..., r, k]. Values of slots no row sees are zeroed first: they may hold anything (past
-        the length, or a page released out of the window: stale or NaN data), and 0 * NaN
-        must not leak.
-
-    Returns:
-      The updated state.
-    """
-    running_max, denom, acc = carry
-    if visible is not None:
-        v = jnp.where(jnp.any(visible, axis=-2)[..., None], v, jnp.zeros((), v.dtype))
-    logits = jnp.einsum("...rd,...kd->...rk", qg, k, preferred_element_type=jnp.float32)
-    if logit_soft_cap is not None:
-        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
-    if visible is not None:
-        logits = jnp.where(visible, logits, MASK_VALUE)
-    new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
-    probs = jnp.exp(logits - new_max[..., None])
-    if visible is not None:
-        probs = jnp.where(visible, probs, 0.0)
-    rescale = jnp.exp(running_max - new_max)
-    denom = denom * rescale + jnp.sum(probs, axis=-1)
-    acc = acc * rescale[..., None] + jnp.einsum("...rk,...kd->...rd", probs, v, preferred_element_type=jnp.float32)
-    return new_max, denom, acc
-
-
 def normalized(carry: Carry, valid: jax.Array) -> jax.Array:
     """The attention output of the rows: numerator / denominator, zero for padding rows.
 
     Args:
+      carry: the rows' state (``pallas_kernels.common.Carry``).
       valid: bool broadcastable to the rows [..., r]; False = padding row (which may have
         accumulated garbage over unmasked blocks).
 
@@ -185,7 +131,7 @@ def normalized(carry: Carry, valid: jax.Array) -> jax.Array:
       [..., r, d] float32.
     """
     _, denom, acc = carry
-    return jnp.where(valid[..., None], acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None], 0.0)
+    return jnp.where(valid[..., None], acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny), 0.0)
 
 
 def over_key_blocks(
@@ -224,9 +170,12 @@ def over_key_blocks(
 
 
 def _gather(pages: jax.Array, scales: jax.Array | None, page_indices: jax.Array) -> jax.Array:
-    """pages[page_indices]: [s, pages_per_seq, page_size, h, d], dequantized to float32 when scaled."""
-    run = pages[page_indices]
-    return run if scales is None else run.astype(jnp.float32) * scales[page_indices][..., None]
+    """pages[page_indices] in float32 (dequantized when scaled): [s, pages_per_seq, tokens_per_block, h, d].
+
+    Float32 once per call: the softmax step casts its probabilities to the values' dtype, and
+    the XLA path computes both products in float32."""
+    run = pages[page_indices].astype(jnp.float32)
+    return run if scales is None else run * scales[page_indices][..., None]
 
 
 def paged_attention(
@@ -251,16 +200,16 @@ def paged_attention(
     the key-block form (one block, the run transposed to [s, kv_heads, slots, d]) took 81 ms.
 
     Args:
-      q: [num_seqs, num_heads, head_dim]; a sequence of length 0 is padding (zeros).
-      others: as in ``partial_attention``.
+      q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
+        k_scales, v_scales: the attention arguments of decode (``pallas_kernels.common.check_inputs``).
 
     Returns:
-      [num_seqs, num_heads, head_dim].
+      [num_seqs, num_heads, head_dim] in q's dtype.
     """
+    check_inputs(q, None, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
+                 logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     k, v = (
         _gather(pages, scales, page_indices).reshape(num_seqs, -1, num_kv_heads, head_dim)
         for pages, scales in ((k_pages, k_scales), (v_pages, v_scales))
@@ -277,8 +226,8 @@ def paged_attention(
     if logit_soft_cap is not None:
         logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
     logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
-    row_max = jnp.max(logits, axis=-1)
-    probs = jnp.where(visible[:, None, None], jnp.exp(logits - row_max[..., None]), 0.0)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    probs = jnp.where(visible[:, None, None], jnp.exp(logits - row_max), 0.0)
     acc = jnp.einsum("shgk,skhd->shgd", probs, v, preferred_element_type=jnp.float32)
-    out = normalized((row_max, jnp.sum(probs, axis=-1), acc), (lengths > 0)[:, None, None])
+    out = normalized((row_max, jnp.sum(probs, axis=-1, keepdims=True), acc), (lengths > 0)[:, None, None])
     return rearrange(out, "s h g d -> s (h g) d").astype(q.dtype)

@@ -6,12 +6,13 @@ table this is ``partial_attention_ref``'s contract, which is the reference here;
 implementation computes the same thing without the page view:
 
 - query rows in blocks of ``block_q``; each block runs an online softmax over key blocks of
-  ``block_k`` slots sliced straight from the contiguous K/V (no gather, no copy);
+  ``block_k`` slots cut from the contiguous K/V (no gather; one float32 copy per call);
 - a block visits only the key blocks between its lowest visible position (the sliding
   window) and its highest query position (a dynamic trip count), so rows sorted by
   position attend over a causal staircase: for rows spread evenly over the sequence about
   half the keys, instead of all of them; key blocks below a query block's lowest position
-  skip the mask (the online-softmax step and the block ranges are ``blocked``'s);
+  skip the mask (the online-softmax step is ``pallas_kernels.common``'s, the block ranges
+  ``blocked``'s);
 - no ``[rows, keys]`` score matrix wider than one key block is materialised.
 
 Masking is exact by position, as in the reference::
@@ -23,8 +24,8 @@ On a 2-core CPU with SmolLM2's shapes (9 query / 3 KV heads, head_dim 64) over 1
 256 rows sorted by position about 2.5x faster than the reference, 1,792 rows (a full
 layer) about 4x.
 
-Axis letters: q query rows, k key slots, h KV heads, g query heads per KV head, d head_dim,
-n key blocks.
+Axis letters are ``kvjax/axes.py``'s (q query rows, k key slots, h KV heads, g query heads
+per KV head, H query heads, d head_dim, n blocks).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from kvjax.attention.blocked import Carry, initial_carry, key_block_step, normalized, over_key_blocks
+from kvjax.attention.blocked import normalized, over_key_blocks
+from pallas_kernels.common import Carry, initial_carry, softmax_step
 
 BLOCK_Q = 64
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
@@ -89,8 +91,9 @@ def row_attention(
     num_key_blocks = -(-kv_len // block_k)
     key_pad = num_key_blocks * block_k - kv_len
     k_blocks, v_blocks = (
-        rearrange(jnp.pad(x, ((0, key_pad), (0, 0), (0, 0))), "(n k) h d -> n h k d", k=block_k) for x in (k, v)
-    )  # [n, h, k, d]
+        rearrange(jnp.pad(x.astype(jnp.float32), ((0, key_pad), (0, 0), (0, 0))), "(n k) h d -> n h k d", k=block_k)
+        for x in (k, v)
+    )  # [n, h, k, d] float32: both products run in float32
     rows = min(block_q, num_queries)
     num_query_blocks = -(-num_queries // rows)
     row_pad = num_query_blocks * rows - num_queries
@@ -112,7 +115,8 @@ def row_attention(
                 visible = (key_pos[None, :] <= query_pos) & (key_pos[None, :] < length)  # [(g q), k]
                 if sliding_window is not None:
                     visible &= query_pos - key_pos[None, :] < sliding_window
-            return key_block_step(carry, qg, k_blocks[j], v_blocks[j], visible, logit_soft_cap=logit_soft_cap)
+            # qg comes scaled by sm_scale (once per query block, not per key block).
+            return softmax_step(carry, qg, k_blocks[j], v_blocks[j], visible, sm_scale=1.0, logit_soft_cap=logit_soft_cap)
 
         carry = over_key_blocks(
             attend, initial_carry((num_kv_heads, group * rows), head_dim), num_key_blocks=num_key_blocks,
@@ -120,6 +124,6 @@ def row_attention(
         )
         return rearrange(normalized(carry, query_pos[:, 0] >= 0), "h (g q) d -> q (h g) d", g=group)
 
-    q_blocks = rearrange(q, "(n q) hg d -> n q hg d", q=rows)
+    q_blocks = rearrange(q, "(n q) H d -> n q H d", q=rows)
     out = jax.lax.map(lambda args: query_block(*args), (q_blocks, q_positions.reshape(num_query_blocks, rows)))
-    return rearrange(out, "n q hg d -> (n q) hg d")[:num_queries].astype(q.dtype)
+    return rearrange(out, "n q H d -> (n q) H d")[:num_queries].astype(q.dtype)

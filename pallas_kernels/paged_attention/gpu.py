@@ -9,7 +9,7 @@ keeps an online softmax. The shares are merged afterwards by their log-sum-exp::
     out = sum_k exp(m_k - m) acc_k / sum_k exp(m_k - m) l_k,   m = max_k m_k
 
 Splitting keeps every SM busy at small batch; at large batch ``k_splits`` drops to 1.
-``page_size`` and ``head_dim`` must be powers of two (Triton tiles).
+``tokens_per_block`` and ``head_dim`` must be powers of two (Triton tiles).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pallas_kernels.tuned_sizes import block_sizes
 
 def _kernel(
     q_ref,  # [rows, head_dim]
-    k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
-    v_pages_ref,  # [num_pages, page_size, head_dim]
+    k_pages_ref,  # [num_pages, tokens_per_block, head_dim], this program's KV head
+    v_pages_ref,  # [num_pages, tokens_per_block, head_dim]
     page_indices_ref,  # [pages_per_split] int32, this split's share of the block table
     lengths_ref,  # [1] int32
     *refs,
@@ -39,16 +39,16 @@ def _kernel(
     sliding_window: int | None,
     logit_soft_cap: float | None,
 ):
-    # refs: quantized pages' k_scales_ref, v_scales_ref [num_pages, page_size or 1] (this KV head),
-    # then acc_ref [rows, head_dim] float32 (unnormalised numerator), m_ref [rows] float32
+    # refs: quantized pages' k_scales_ref, v_scales_ref [num_pages, tokens_per_block or 1] (this KV
+    # head), then acc_ref [rows, head_dim] float32 (unnormalised numerator), m_ref [rows] float32
     # (running max), l_ref [rows] float32 (denominator).
     *scale_refs, acc_ref, m_ref, l_ref = refs
     split = pl.program_id(2)
     rows, head_dim = q_ref.shape
-    page_size = k_pages_ref.shape[1]
+    tokens_per_block = k_pages_ref.shape[1]
     pages_per_split = page_indices_ref.shape[0]
-    block_k = pages_per_block * page_size
-    split_start = split * pages_per_split * page_size
+    block_k = pages_per_block * tokens_per_block
+    split_start = split * pages_per_split * tokens_per_block
     length = lengths_ref[0]
     kv_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
     first_block = jnp.maximum(kv_start - split_start, 0) // block_k
@@ -57,24 +57,18 @@ def _kernel(
     row_pos = jnp.full((rows, 1), length - 1, jnp.int32)
 
     def body(kv_block, carry):
-        m, l, acc = carry
-        pages = page_indices_ref[pl.ds(kv_block * pages_per_block, pages_per_block)]  # [P]
+        pages = page_indices_ref[pl.ds(kv_block * pages_per_block, pages_per_block)]  # [pages_per_block]
         k = k_pages_ref[pages].reshape(block_k, head_dim)
         v = v_pages_ref[pages].reshape(block_k, head_dim)
         key_pos = split_start + kv_block * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         visible = common.visible_mask(row_pos, key_pos[None, :], length, sliding_window)
         key_live = ((key_pos >= kv_start) & (key_pos < length))[:, None]
         return common.softmax_step(
-            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
-            **gather_scales(scale_refs, pages, page_size),
+            carry, q, k, v, visible, key_live, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+            **gather_scales(scale_refs, pages, tokens_per_block),
         )
 
-    init = (
-        jnp.full((rows, 1), common.MASK_VALUE, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32),
-    )
-    m, l, acc = lax.fori_loop(first_block, end_block, body, init)
+    m, l, acc = lax.fori_loop(first_block, end_block, body, common.initial_carry((rows,), head_dim))
     acc_ref[...] = acc
     m_ref[...] = m.reshape(rows)
     l_ref[...] = l.reshape(rows)
@@ -116,35 +110,28 @@ def paged_attention(
     """Decode attention on GPU: the newest token of each sequence over its pages.
 
     Args:
-      q: [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
-      lengths: [num_seqs] int32 valid KV slots (the new token included); 0 = padding, zeros out.
-      page_indices: [num_seqs, pages_per_seq] int32 block tables.
-      sm_scale, sliding_window, logit_soft_cap: as in ``paged_attention_ref``.
+      q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
+        k_scales, v_scales: the attention arguments of decode (``pallas_kernels.common.check_inputs``).
       pages_per_block: pages gathered per loop step (power of two); None = tuned table.
       k_splits: shares each table is split into (power of two); None = enough for
         the tuned ``min_programs``.
       num_warps, num_stages: Triton launch parameters; None = tuned table.
       interpret: run on CPU with the Pallas interpreter.
-      k_scales, v_scales: None for float pages; for int8 / float8_e4m3fn pages their
-        [num_pages, page_size or 1, num_kv_heads] float32 scales.
 
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
     """
-    if q.ndim != 3:
-        raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_heads, head_dim]")
     common.check_inputs(
-        q[:, None], lengths[:, None], k_pages, v_pages, lengths, page_indices,
+        q, None, k_pages, v_pages, lengths, page_indices,
         sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
     )
     scale_args = () if k_scales is None else (k_scales, v_scales)
     num_seqs, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_pages, tokens_per_block, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
     tuned = block_sizes("gpu", "decode")
-    pages_per_block = tuned.pages_per_block(page_size) if pages_per_block is None else pages_per_block
-    check_gpu_shapes(page_size, head_dim, pages_per_block)
+    pages_per_block = tuned.pages_per_block(tokens_per_block) if pages_per_block is None else pages_per_block
+    check_gpu_shapes(tokens_per_block, head_dim, pages_per_block)
     num_blocks = pl.cdiv(pages_per_seq, pages_per_block)
     if k_splits is None:
         k_splits = choose_k_splits(num_seqs, num_kv_heads, num_blocks, tuned.min_programs)
@@ -169,8 +156,8 @@ def paged_attention(
         grid=(num_seqs, num_kv_heads, k_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
-            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, k: (0, 0, h, 0)),
-            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, k: (0, 0, h, 0)),
+            pl.BlockSpec((num_pages, tokens_per_block, None, head_dim), lambda s, h, k: (0, 0, h, 0)),
+            pl.BlockSpec((num_pages, tokens_per_block, None, head_dim), lambda s, h, k: (0, 0, h, 0)),
             pl.BlockSpec((None, pages_per_split), lambda s, h, k: (s, k)),
             pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
             *[pl.BlockSpec((num_pages, a.shape[1], None), lambda s, h, k: (0, 0, h)) for a in scale_args],

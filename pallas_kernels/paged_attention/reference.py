@@ -23,12 +23,9 @@ def paged_attention_ref(
     """Decode attention: the newest token of each sequence attends over its pages.
 
     Args:
-      q: [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
-      lengths: [num_seqs] int32, valid KV slots per sequence (the new token included);
-        a sequence of length 0 is padding and yields zeros.
-      page_indices: [num_seqs, pages_per_seq] int32.
-      sm_scale, sliding_window, logit_soft_cap, k_scales, v_scales: as in ``partial_attention_ref``.
+      q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
+        k_scales, v_scales: the attention arguments of decode
+        (``pallas_kernels.common.check_inputs``; the reference does not check them).
 
     Returns:
       [num_seqs, num_heads, head_dim].

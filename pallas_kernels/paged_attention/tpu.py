@@ -12,6 +12,7 @@ import functools
 
 import jax
 
+from pallas_kernels import common
 from pallas_kernels.partial_attention import tpu as partial_tpu
 from pallas_kernels.tuned_sizes import block_sizes
 
@@ -37,21 +38,19 @@ def paged_attention(
     """Decode attention on TPU: the newest token of each sequence over its pages.
 
     Args:
-      q: [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], left in HBM.
-      lengths: [num_seqs] int32 valid KV slots (the new token included); 0 = padding, zeros out.
-      page_indices: [num_seqs, pages_per_seq] int32 block tables.
-      sm_scale, sliding_window, logit_soft_cap: as in ``paged_attention_ref``.
+      q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
+        k_scales, v_scales: the attention arguments of decode
+        (``pallas_kernels.common.check_inputs``); pages and scales stay in HBM.
       pages_per_block: pages per DMA'd KV block; None = tuned table.
       interpret: False on TPU; True or ``pltpu.InterpretParams()`` to run on CPU.
-      k_scales, v_scales: None, or the [num_pages, page_size or 1, num_kv_heads] float32
-        scales of int8 / float8_e4m3fn pages.
 
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
     """
-    if q.ndim != 3:
-        raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_heads, head_dim]")
+    common.check_inputs(
+        q, None, k_pages, v_pages, lengths, page_indices,
+        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
+    )
     if pages_per_block is None:
         pages_per_block = block_sizes("tpu", "decode").pages_per_block(k_pages.shape[1])
     out = partial_tpu.partial_attention(

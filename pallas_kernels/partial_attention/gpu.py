@@ -3,9 +3,9 @@
 Grid ``(num_seqs, num_kv_heads, num_query_blocks)``; each program owns ``block_q`` queries
 times the (power-of-two padded) query heads of one KV head and loops over the KV blocks its
 rows can see, gathering ``pages_per_block`` pages per step straight from the pool through
-the block table. Triton wants power-of-two tensor sizes, so ``page_size`` and ``head_dim``
-must be powers of two, ``head_dim`` and a KV block at least 16 (the smallest ``tl.dot``);
-query heads per KV head are padded to a power of two, and rows to at least 16.
+the block table. Triton wants power-of-two tensor sizes, so ``tokens_per_block`` and
+``head_dim`` must be powers of two, ``head_dim`` and a KV block at least 16 (the smallest
+``tl.dot``); query heads per KV head are padded to a power of two, and rows to at least 16.
 
 Written for Pallas Triton (``pallas_call`` + ``plgpu.CompilerParams``), which upstream has
 deprecated in favour of Mosaic GPU, because it runs on CPU under the generic Pallas
@@ -30,11 +30,11 @@ from pallas_kernels.tuned_sizes import block_sizes
 def _kernel(
     q_ref,  # [block_rows, head_dim]
     row_pos_ref,  # [block_rows] int32
-    k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
-    v_pages_ref,  # [num_pages, page_size, head_dim]
+    k_pages_ref,  # [num_pages, tokens_per_block, head_dim], this program's KV head
+    v_pages_ref,  # [num_pages, tokens_per_block, head_dim]
     page_indices_ref,  # [pages_per_seq_pad] int32
     lengths_ref,  # [1] int32
-    *refs,  # quantized: k_scales_ref, v_scales_ref [num_pages, page_size or 1]; then o_ref [block_rows, head_dim]
+    *refs,  # quantized: k_scales_ref, v_scales_ref [num_pages, tokens_per_block or 1]; o_ref [block_rows, head_dim]
     pages_per_block: int,
     sm_scale: float,
     sliding_window: int | None,
@@ -42,8 +42,8 @@ def _kernel(
 ):
     *scale_refs, o_ref = refs
     block_rows, head_dim = q_ref.shape
-    page_size = k_pages_ref.shape[1]
-    block_k = pages_per_block * page_size
+    tokens_per_block = k_pages_ref.shape[1]
+    block_k = pages_per_block * tokens_per_block
     length = lengths_ref[0]
     q = q_ref[...]
     row_pos = row_pos_ref[...]  # [block_rows]
@@ -53,24 +53,18 @@ def _kernel(
     row_pos = row_pos[:, None]  # [block_rows, 1]
 
     def body(kv_block, carry):
-        m, l, acc = carry
-        pages = page_indices_ref[pl.ds(kv_block * pages_per_block, pages_per_block)]  # [P]
+        pages = page_indices_ref[pl.ds(kv_block * pages_per_block, pages_per_block)]  # [pages_per_block]
         k = k_pages_ref[pages].reshape(block_k, head_dim)
         v = v_pages_ref[pages].reshape(block_k, head_dim)
         key_pos = kv_block * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         visible = common.visible_mask(row_pos, key_pos[None, :], length, sliding_window)
         key_live = ((key_pos >= kv_start) & (key_pos < kv_end))[:, None]
         return common.softmax_step(
-            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
-            **gather_scales(scale_refs, pages, page_size),
+            carry, q, k, v, visible, key_live, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+            **gather_scales(scale_refs, pages, tokens_per_block),
         )
 
-    init = (
-        jnp.full((block_rows, 1), common.MASK_VALUE, jnp.float32),
-        jnp.zeros((block_rows, 1), jnp.float32),
-        jnp.zeros((block_rows, head_dim), jnp.float32),
-    )
-    _, l, acc = lax.fori_loop(first_block, end_block, body, init)
+    _, l, acc = lax.fori_loop(first_block, end_block, body, common.initial_carry((block_rows,), head_dim))
     o_ref[...] = common.finish(l, acc).astype(o_ref.dtype)
 
 
@@ -103,18 +97,13 @@ def partial_attention(
     """Query rows at absolute positions over paged KV, on GPU (Pallas Triton).
 
     Args:
-      q: [num_seqs, num_queries, num_heads, head_dim].
-      q_positions: [num_seqs, num_queries] int32 absolute positions; negative = padding row.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
-      lengths: [num_seqs] int32 valid KV slots per sequence.
-      page_indices: [num_seqs, pages_per_seq] int32 block tables.
-      sm_scale, sliding_window, logit_soft_cap: as in ``partial_attention_ref``.
+      q, q_positions, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window,
+        logit_soft_cap, k_scales, v_scales: the attention arguments
+        (``pallas_kernels.common.check_inputs``).
       block_q: queries per program, a power of two; None = tuned table.
       pages_per_block: pages gathered per loop step, a power of two; None = tuned table.
       num_warps, num_stages: Triton launch parameters; None = tuned table.
       interpret: run on CPU with the Pallas interpreter.
-      k_scales, v_scales: None for float pages; for int8 / float8_e4m3fn pages their
-        [num_pages, page_size or 1, num_kv_heads] float32 scales.
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
@@ -125,11 +114,11 @@ def partial_attention(
     )
     scale_args = () if k_scales is None else (k_scales, v_scales)
     num_seqs, num_queries, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_pages, tokens_per_block, num_kv_heads, _ = k_pages.shape
     tuned = block_sizes("gpu", "partial")
     block_q = tuned.block_q if block_q is None else block_q
-    pages_per_block = tuned.pages_per_block(page_size) if pages_per_block is None else pages_per_block
-    check_gpu_shapes(page_size, head_dim, pages_per_block)
+    pages_per_block = tuned.pages_per_block(tokens_per_block) if pages_per_block is None else pages_per_block
+    check_gpu_shapes(tokens_per_block, head_dim, pages_per_block)
     if not is_power_of_two(block_q):
         raise ValueError(f"{block_q=} must be a power of two")
     group = num_heads // num_kv_heads
@@ -156,8 +145,8 @@ def partial_attention(
         in_specs=[
             pl.BlockSpec((None, None, block_rows, head_dim), lambda s, h, b: (s, h, b, 0)),
             pl.BlockSpec((None, block_rows), lambda s, h, b: (s, b)),
-            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, b: (0, 0, h, 0)),
-            pl.BlockSpec((num_pages, page_size, None, head_dim), lambda s, h, b: (0, 0, h, 0)),
+            pl.BlockSpec((num_pages, tokens_per_block, None, head_dim), lambda s, h, b: (0, 0, h, 0)),
+            pl.BlockSpec((num_pages, tokens_per_block, None, head_dim), lambda s, h, b: (0, 0, h, 0)),
             pl.BlockSpec((None, pages_per_seq_pad), lambda s, h, b: (s, 0)),
             pl.BlockSpec((None, 1), lambda s, h, b: (s, 0)),
             *[pl.BlockSpec((num_pages, a.shape[1], None), lambda s, h, b: (0, 0, h)) for a in scale_args],

@@ -23,13 +23,13 @@ def gather_pages(pages: jax.Array, page_indices: jax.Array, scales: jax.Array | 
     """Gathers each sequence's pages into one contiguous run of slots (dequantized if scaled).
 
     Args:
-      pages: [num_pages, page_size, num_kv_heads, head_dim].
+      pages: [num_pages, tokens_per_block, num_kv_heads, head_dim].
       page_indices: [num_seqs, pages_per_seq] int32.
-      scales: None, or [num_pages, page_size or 1, num_kv_heads] float32 scales of
+      scales: None, or [num_pages, tokens_per_block or 1, num_kv_heads] float32 scales of
         quantized (int8 / float8_e4m3fn) pages; the run is then ``pages * scales`` in float32.
 
     Returns:
-      [num_seqs, pages_per_seq * page_size, num_kv_heads, head_dim].
+      [num_seqs, pages_per_seq * tokens_per_block, num_kv_heads, head_dim].
     """
     run = pages[page_indices]  # [s, p, t, h, d]
     if scales is not None:
@@ -54,17 +54,9 @@ def partial_attention_ref(
     """Attention of query rows at absolute positions over paged keys and values.
 
     Args:
-      q: [num_seqs, num_queries, num_heads, head_dim].
-      q_positions: [num_seqs, num_queries] int32 absolute positions; a negative position
-        marks a padding row, whose output is zero.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim].
-      lengths: [num_seqs] int32, number of valid KV slots of each sequence.
-      page_indices: [num_seqs, pages_per_seq] int32, the block table.
-      sm_scale: scale applied to q·k.
-      sliding_window: a key is visible only if query_pos - key_pos < sliding_window.
-      logit_soft_cap: if set, logits become cap * tanh(logits / cap).
-      k_scales, v_scales: None for float pages; for int8 / float8_e4m3fn pages their
-        [num_pages, page_size or 1, num_kv_heads] float32 scales (K = pages * scales).
+      q, q_positions, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window,
+        logit_soft_cap, k_scales, v_scales: the attention arguments
+        (``pallas_kernels.common.check_inputs``; the reference does not check them).
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.

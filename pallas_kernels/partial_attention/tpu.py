@@ -11,9 +11,9 @@ Block tables, lengths and each query block's key range ``[start, end)`` are scal
 into SMEM; K and V stay in HBM (``pl.ANY``). Grid steps share no state, so every grid
 axis is parallel. Paged decode is the case ``num_queries == 1``.
 
-Quantized (int8 / float8_e4m3fn) pages come with scales ``[num_pages, page_size or 1,
+Quantized (int8 / float8_e4m3fn) pages come with scales ``[num_pages, tokens_per_block or 1,
 num_kv_heads]``, also left in HBM: each page's scales of the head are DMA'd beside its values
-into ``[2, pages_per_block, page_size or 1]`` buffers and folded into the softmax step.
+into ``[2, pages_per_block, tokens_per_block or 1]`` buffers and folded into the softmax step.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def _kernel(
     # Inputs.
     q_ref,  # [block_rows, head_dim]
     row_pos_ref,  # [block_rows, 1] int32
-    k_pages_hbm_ref,  # [num_pages, page_size, num_kv_heads, head_dim]
-    v_pages_hbm_ref,  # [num_pages, page_size, num_kv_heads, head_dim]
+    k_pages_hbm_ref,  # [num_pages, tokens_per_block, num_kv_heads, head_dim]
+    v_pages_hbm_ref,  # [num_pages, tokens_per_block, num_kv_heads, head_dim]
     *refs,
     pages_per_seq_pad: int,
     sm_scale: float,
@@ -53,13 +53,13 @@ def _kernel(
     """``refs`` are, for float pages::
 
         o_ref  [block_rows, head_dim]; scratch k_vmem_buffer, v_vmem_buffer
-        [2, pages_per_block, page_size, head_dim]; sems, DMA semaphores [2, 2] (k or v, slot)
+        [2, pages_per_block, tokens_per_block, head_dim]; sems, DMA semaphores [2, 2] (k or v, slot)
 
     and for quantized pages::
 
-        k_scales_hbm_ref, v_scales_hbm_ref [num_pages, page_size or 1, num_kv_heads]; o_ref;
+        k_scales_hbm_ref, v_scales_hbm_ref [num_pages, tokens_per_block or 1, num_kv_heads]; o_ref;
         k_vmem_buffer, v_vmem_buffer; k_scale_vmem_buffer, v_scale_vmem_buffer
-        [2, pages_per_block, page_size or 1]; sems [4, 2] (k, v, k scales, v scales; slot)
+        [2, pages_per_block, tokens_per_block or 1]; sems [4, 2] (k, v, k scales, v scales; slot)
     """
     if quantized:
         (k_scales_hbm_ref, v_scales_hbm_ref, o_ref, k_vmem_buffer, v_vmem_buffer,
@@ -72,8 +72,8 @@ def _kernel(
         o_ref, k_vmem_buffer, v_vmem_buffer, sems = refs
         pairs = ((k_pages_hbm_ref, k_vmem_buffer), (v_pages_hbm_ref, v_vmem_buffer))
     seq, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    pages_per_block, page_size = k_vmem_buffer.shape[1], k_vmem_buffer.shape[2]
-    block_k = pages_per_block * page_size
+    pages_per_block, tokens_per_block = k_vmem_buffer.shape[1], k_vmem_buffer.shape[2]
+    block_k = pages_per_block * tokens_per_block
     block_rows, head_dim = q_ref.shape
     length = lengths_ref[seq]
     range_index = seq * pl.num_programs(2) + q_block
@@ -87,7 +87,7 @@ def _kernel(
         for j in range(pages_per_block):
             page = page_indices_ref[seq * pages_per_seq_pad + kv_block * pages_per_block + j]
             for which, (hbm_ref, vmem_buffer) in enumerate(pairs):
-                src = hbm_ref.at[page, :, head]  # [page_size, head_dim] values, [page_size or 1] scales
+                src = hbm_ref.at[page, :, head]  # values [tokens_per_block, head_dim], scales [tokens_per_block or 1]
                 copies.append(pltpu.make_async_copy(src, vmem_buffer.at[slot, j], sems.at[which, slot]))
         return copies
 
@@ -100,7 +100,6 @@ def _kernel(
     row_pos = row_pos_ref[...]  # [block_rows, 1]
 
     def body(kv_block, carry):
-        m, l, acc = carry
         slot = (kv_block - first_block) % 2
 
         @pl.when(kv_block + 1 < end_block)
@@ -114,7 +113,7 @@ def _kernel(
         v = v_vmem_buffer[slot].reshape(block_k, head_dim)
         scales = {}
         if quantized:
-            shape = (pages_per_block, page_size)
+            shape = (pages_per_block, tokens_per_block)
             scales = dict(
                 k_scale=jnp.broadcast_to(k_scale_vmem_buffer[slot], shape).reshape(1, block_k),
                 v_scale=jnp.broadcast_to(v_scale_vmem_buffer[slot], shape).reshape(1, block_k),
@@ -124,15 +123,10 @@ def _kernel(
         visible = common.visible_mask(row_pos, key_row, length, sliding_window)
         key_live = (key_col >= kv_start) & (key_col < kv_end)
         return common.softmax_step(
-            q, k, v, visible, key_live, m, l, acc, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap, **scales
+            carry, q, k, v, visible, key_live, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap, **scales
         )
 
-    init = (
-        jnp.full((block_rows, 1), common.MASK_VALUE, jnp.float32),
-        jnp.zeros((block_rows, 1), jnp.float32),
-        jnp.zeros((block_rows, head_dim), jnp.float32),
-    )
-    _, l, acc = lax.fori_loop(first_block, end_block, body, init)
+    _, l, acc = lax.fori_loop(first_block, end_block, body, common.initial_carry((block_rows,), head_dim))
     o_ref[...] = common.finish(l, acc).astype(o_ref.dtype)
 
 
@@ -160,21 +154,12 @@ def partial_attention(
     """Query rows at absolute positions over paged KV, on TPU.
 
     Args:
-      q: [num_seqs, num_queries, num_heads, head_dim].
-      q_positions: [num_seqs, num_queries] int32 absolute positions; negative = padding row
-        (its output is zero).
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], left in HBM.
-      lengths: [num_seqs] int32 valid KV slots per sequence.
-      page_indices: [num_seqs, pages_per_seq] int32 block tables; entries past a sequence's
-        length may point anywhere in the pool (e.g. the null page).
-      sm_scale: scale of q·k.
-      sliding_window: None, or a key is visible only if query_pos - key_pos < window.
-      logit_soft_cap: None, or logits become cap * tanh(logits / cap).
+      q, q_positions, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window,
+        logit_soft_cap, k_scales, v_scales: the attention arguments
+        (``pallas_kernels.common.check_inputs``); pages and scales stay in HBM.
       block_q: queries per grid step (rows = block_q * group); None = tuned table.
       pages_per_block: pages per DMA'd KV block; None = tuned table.
       interpret: False on TPU; True or ``pltpu.InterpretParams()`` to run on CPU.
-      k_scales, v_scales: None for float pages; for int8 / float8_e4m3fn pages their
-        [num_pages, page_size or 1, num_kv_heads] float32 scales, left in HBM.
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
@@ -185,10 +170,10 @@ def partial_attention(
     )
     quantized = k_scales is not None
     num_seqs, num_queries, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, tokens_per_block, num_kv_heads, _ = k_pages.shape
     tuned = block_sizes("tpu", "partial")
     block_q = tuned.block_q if block_q is None else block_q
-    pages_per_block = tuned.pages_per_block(page_size) if pages_per_block is None else pages_per_block
+    pages_per_block = tuned.pages_per_block(tokens_per_block) if pages_per_block is None else pages_per_block
     if block_q < 1:
         raise ValueError(f"{block_q=} must be >= 1")
     if pages_per_block < 1:
@@ -219,8 +204,8 @@ def partial_attention(
         quantized=quantized,
     )
     scratch = [
-        pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
-        pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
+        pltpu.VMEM((2, pages_per_block, tokens_per_block, head_dim), k_pages.dtype),
+        pltpu.VMEM((2, pages_per_block, tokens_per_block, head_dim), v_pages.dtype),
     ]
     scale_args = ()
     if quantized:

@@ -102,7 +102,7 @@ def test_jits_inside_caller(kernel):
 
 def test_gpu_rejects_blocks_below_dot_size():
     inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2)
-    with pytest.raises(ValueError, match="pages_per_block=2 times page_size=4 must be >= 16"):
+    with pytest.raises(ValueError, match="pages_per_block=2 times tokens_per_block=4 must be >= 16"):
         gpu.paged_attention(
             inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
             sm_scale=1.0, pages_per_block=2, interpret=True,
@@ -111,7 +111,7 @@ def test_gpu_rejects_blocks_below_dot_size():
 
 def test_gpu_rejects_non_power_of_two_pages():
     inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=3, pages_per_seq=2)
-    with pytest.raises(ValueError, match="page_size=3 must be a power of two"):
+    with pytest.raises(ValueError, match="tokens_per_block=3 must be a power of two"):
         gpu.paged_attention(
             inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
             sm_scale=1.0, interpret=True,

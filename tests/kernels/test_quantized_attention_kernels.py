@@ -38,9 +38,9 @@ PAGED = {
     "blocked": blocked.paged_attention,
     "reference": paged_attention_ref,
 }
-PAGE_SIZE = 8
+TOKENS_PER_BLOCK = 8
 PAGES_PER_SEQ = 4
-LENGTHS = [1, PAGE_SIZE, 2 * PAGE_SIZE + 1, PAGES_PER_SEQ * PAGE_SIZE, 0]
+LENGTHS = [1, TOKENS_PER_BLOCK, 2 * TOKENS_PER_BLOCK + 1, PAGES_PER_SEQ * TOKENS_PER_BLOCK, 0]
 
 
 @pytest.mark.parametrize("granularity", ["token", "page"])
@@ -49,7 +49,7 @@ LENGTHS = [1, PAGE_SIZE, 2 * PAGE_SIZE + 1, PAGES_PER_SEQ * PAGE_SIZE, 0]
 def test_partial_attention_dequantizes_inside(impl, dtype, granularity):
     window = 11 if impl in ("tpu", "blocked") else None
     inputs = make_inputs(
-        1, lengths=LENGTHS, num_heads=6, num_kv_heads=3, tokens_per_block=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
+        1, lengths=LENGTHS, num_heads=6, num_kv_heads=3, tokens_per_block=TOKENS_PER_BLOCK, pages_per_seq=PAGES_PER_SEQ,
         num_queries=6, sliding_window=window,
     )
     quant = quantize_inputs(inputs, dtype, granularity)
@@ -71,7 +71,7 @@ def test_partial_attention_dequantizes_inside(impl, dtype, granularity):
 @pytest.mark.parametrize("impl", list(PAGED))
 def test_paged_attention_dequantizes_inside(impl, dtype, granularity):
     inputs = make_inputs(
-        2, lengths=LENGTHS, num_heads=8, num_kv_heads=1, tokens_per_block=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ,
+        2, lengths=LENGTHS, num_heads=8, num_kv_heads=1, tokens_per_block=TOKENS_PER_BLOCK, pages_per_seq=PAGES_PER_SEQ,
     )
     quant = quantize_inputs(inputs, dtype, granularity)
     sm_scale = inputs.q.shape[-1] ** -0.5
@@ -91,7 +91,7 @@ def test_paged_attention_dequantizes_inside(impl, dtype, granularity):
 def test_quantization_error_is_bounded_and_visible(dtype):
     """The dequantized pages differ from the float pages by at most half a step (int8) or the
     fp8 grid's relative spacing, and attention over them moves by a small but nonzero amount."""
-    inputs = make_inputs(3, lengths=LENGTHS, num_heads=6, num_kv_heads=3, tokens_per_block=PAGE_SIZE,
+    inputs = make_inputs(3, lengths=LENGTHS, num_heads=6, num_kv_heads=3, tokens_per_block=TOKENS_PER_BLOCK,
                          pages_per_seq=PAGES_PER_SEQ)
     quant = quantize_inputs(inputs, dtype, "token")
     clean, deq = np.asarray(inputs.clean_k_pages), np.asarray(quant.dequantized_k_pages)
@@ -107,7 +107,7 @@ def test_quantization_error_is_bounded_and_visible(dtype):
 
 
 def test_dispatch_takes_quantized_pages():
-    inputs = make_inputs(4, lengths=LENGTHS, num_heads=6, num_kv_heads=3, tokens_per_block=PAGE_SIZE,
+    inputs = make_inputs(4, lengths=LENGTHS, num_heads=6, num_kv_heads=3, tokens_per_block=TOKENS_PER_BLOCK,
                          pages_per_seq=PAGES_PER_SEQ, num_queries=3)
     quant = quantize_inputs(inputs, "int8", "page")
     k = QuantizedPages(values=quant.k_pages, scales=quant.k_scales)
@@ -125,7 +125,8 @@ def test_dispatch_takes_quantized_pages():
 
 
 def test_bad_scales_are_refused_with_their_shape():
-    inputs = make_inputs(5, lengths=[PAGE_SIZE], num_heads=2, num_kv_heads=1, tokens_per_block=PAGE_SIZE, pages_per_seq=2)
+    inputs = make_inputs(5, lengths=[TOKENS_PER_BLOCK], num_heads=2, num_kv_heads=1, tokens_per_block=TOKENS_PER_BLOCK,
+                         pages_per_seq=2)
     quant = quantize_inputs(inputs, "int8", "token")
     call = functools.partial(PARTIAL["gpu"], inputs.q, inputs.q_positions, quant.k_pages, quant.v_pages,
                              inputs.lengths, inputs.page_indices, sm_scale=1.0)
