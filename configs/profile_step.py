@@ -22,6 +22,9 @@ shows a fraction of its wall time), so each row is also split by wall clock
 products alone and the output head alone, each compiled as its own program at the row's
 shapes; the rest (norms, RoPE, SiLU, residuals, embedding) is what the parts leave of the
 forward.
+
+Decode rows also get an in-process A/B of the attention algorithm (``decode_ab.csv``): the
+blocked decode algorithm against the general blocked algorithm run with one query row.
 """
 
 import ml_collections
@@ -39,6 +42,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.component_calls = 3  # timed calls per part per round, after one warm-up call
     config.attn_impl = "blocked"  # kvjax.attention impl: auto | blocked | reference
     config.top_ops = 12  # ops listed per row in the summary (all of them go to ops_<row>.csv)
+    config.decode_ab_rounds = 15  # per decode row: alternating calls of the decode vs the general attention algorithm (0 = skip)
 
     config.kv_cache = ml_collections.ConfigDict()
     config.kv_cache.tokens_per_block = 32
@@ -51,6 +55,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         config.traced_steps = 2
         config.component_rounds = 1
         config.component_calls = 1
+        config.decode_ab_rounds = 2
         config.kv_cache.max_tokens = 4096
     elif preset:
         raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")

@@ -20,6 +20,7 @@ import numpy as np
 from experiments import report
 from experiments.timing import machine_limits, median_seconds
 from kvjax import attention
+from kvjax.attention import blocked
 from kvjax.cache import CacheLayout, PagePool
 from kvjax.cache.pool import slot_mapping, write_layer
 from kvjax.config import KvCacheConfig, SchedulerConfig
@@ -253,6 +254,51 @@ def products_only(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x, kept
 
 
+def _decode_via_partial(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                        page_indices: jax.Array, **options) -> jax.Array:
+    """Decode attention through the general blocked algorithm: one query row per sequence at
+    position ``lengths - 1``."""
+    out = blocked.partial_attention(q[:, None], (lengths - 1)[:, None], k_pages, v_pages, lengths, page_indices, **options)
+    return out[:, 0]
+
+
+def decode_algorithm_ab(engine: Engine, args: StepInputs, row: str, config: ml_collections.ConfigDict) -> dict:
+    """In-process A/B of a decode row's whole forward: the blocked decode algorithm
+    (``blocked.paged_attention``, the default) against the general blocked algorithm at one
+    query row (``blocked.partial_attention``). Both are compiled first (compilation not
+    timed), then called alternately ``decode_ab_rounds`` times each; medians in ms."""
+    model = engine.model
+    implementations = attention._IMPLEMENTATIONS["paged"]
+    decode = implementations["blocked"]
+    compiled = {}
+    try:
+        for name, fn in (("decode_algorithm", decode), ("general_algorithm", _decode_via_partial)):
+            implementations["blocked"] = fn
+            jax.clear_caches()  # forward's trace must see the swapped implementation
+            compiled[name] = forward.lower(
+                model.params, engine.pool, args.tokens, args.positions, args.block_tables, args.lengths,
+                cfg=model.config, layout=engine.layout, logits_mode="last", attn_impl="blocked",
+            ).compile()
+    finally:
+        implementations["blocked"] = decode
+        jax.clear_caches()
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    logits = {}
+    pool = engine.pool
+    for _ in range(config.decode_ab_rounds + 1):
+        for name, program in compiled.items():
+            start = time.perf_counter()
+            out, pool = program(model.params, pool, args.tokens, args.positions, args.block_tables, args.lengths)
+            jax.block_until_ready(out)
+            times[name].append(time.perf_counter() - start)
+            logits[name] = out
+    engine.pool = pool
+    ms = {name: float(np.median(t[1:])) * 1e3 for name, t in times.items()}  # the first round warms up
+    return {"row": row, **{f"{name}_ms": v for name, v in ms.items()},
+            "general_over_decode": ms["general_algorithm"] / ms["decode_algorithm"],
+            "max_logit_diff": float(jnp.max(jnp.abs(logits["decode_algorithm"] - logits["general_algorithm"])))}
+
+
 def components(engine: Engine, args: StepInputs, full: jax.stages.Compiled, row: str,
                config: ml_collections.ConfigDict) -> dict:
     """Wall ms of one row's forward split by what it runs, each part compiled as its own
@@ -324,21 +370,27 @@ def grouped(ops: list[dict]) -> list[dict]:
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     model = load_model(config.model)
     engine = Engine(model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(),
-                    max_seq_len=config.kv_cache.max_tokens, attn_impl=config.attn_impl)
+                    max_seq_len=min(config.kv_cache.max_tokens, model.config.max_seq_len), attn_impl=config.attn_impl)
     limits = machine_limits()
-    rows, parts, sections = [], [], []
+    rows, parts, sections, ab = [], [], [], []
     for row in config.rows:
         args, compiled = compile_row(engine, row, config)
         totals, ops = profile_row(engine, args, compiled, row, config, workdir)
         rows.append(totals)
         parts.append(components(engine, args, compiled, row, config))
+        if row.startswith("decode") and config.decode_ab_rounds:
+            ab.append(decode_algorithm_ab(engine, args, row, config))
         report.write_csv(workdir / f"ops_{row}.csv", ops)
         sections.append((f"{row}: ops grouped by label (CPU ms per step, summed over threads)",
                          report.markdown_table(grouped(ops)[: config.top_ops])))
     sections.insert(0, ("Rows (wall ms per forward; CPU ms summed over XLA threads)", report.markdown_table(rows)))
     sections.insert(1, ("Components (wall ms per forward, each part run as its own program)", report.markdown_table(parts)))
     sections.insert(2, ("Machine", report.markdown_table([limits])))
+    if ab:
+        sections.insert(2, ("Decode attention: the decode algorithm against the general one at T = 1 "
+                            "(whole forward, wall ms, alternating calls)", report.markdown_table(ab)))
+        report.write_csv(workdir / "decode_ab.csv", ab)
     report.write_csv(workdir / "rows.csv", rows)
     report.write_csv(workdir / "components.csv", parts)
     report.write_summary(workdir, f"Per-op profile of the forward step — {config.model}", sections)
-    return {"rows": rows, "components": parts, "machine": limits}
+    return {"rows": rows, "components": parts, "decode_ab": ab, "machine": limits}

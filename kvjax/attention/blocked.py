@@ -196,8 +196,10 @@ def paged_attention(
     One softmax over each sequence's whole gathered run, left in its gathered layout
     [s, slots, kv_heads, d]: both products are einsums with the KV head as a batch axis
     wherever it lies, so XLA places it (no key-block split, no transposed copy of the run).
-    On a 2-core CPU (in-process A/B) this runs the SmolLM2 batch-8 decode step in 74 ms where
-    the key-block form (one block, the run transposed to [s, kv_heads, slots, d]) took 81 ms.
+    It is kept beside ``partial_attention`` (which also serves one query row) because the
+    whole SmolLM2 decode step is faster with it: measured in one process on a 2-core CPU
+    (``configs/profile_step.py``, decode_ab.csv), batch 8 at 128 / 256 / 512 / 1024 cached
+    tokens 7% / 35% / 29% / 12% faster, batch 1 5% / 17% / 16% / 11%.
 
     Args:
       q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
