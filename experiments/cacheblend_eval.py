@@ -125,7 +125,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     unknown = [p for p in config.policies if p not in POLICIES]
     if unknown or "full_recompute" not in config.policies:
         raise ValueError(f"policies={tuple(config.policies)} must include 'full_recompute' and only names from {POLICIES}")
-    model = load_model(config.model, config.gguf_path or None)
+    model = load_model(config.model, config.gguf_path or None, config.param_dtype or None)
     tok = model.tokenizer
     # Chat models stop at <|im_end|>; a base model's answer (after the prefilled stem) ends at a newline.
     stop_text = "<|im_end|>" if tok.chat_format == "chatml" else "\n"

@@ -17,7 +17,7 @@ from kvjax.sampling import SamplingParams
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
-    model = load_model(config.model, config.gguf_path or None)
+    model = load_model(config.model, config.gguf_path or None, config.param_dtype or None)
     tok = model.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": config.prompt}]) if config.chat and tok.chat_format else config.prompt
     prompt = tok.encode(text)

@@ -49,7 +49,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
-    model = load_model(config.model, config.gguf_path or None)
+    model = load_model(config.model, config.gguf_path or None, config.param_dtype or None)
     sched = SchedulerConfig(**config.scheduler.to_dict())
     engines = {
         reuse: Engine(model, KvCacheConfig(**config.kv_cache.to_dict(), enable_block_reuse=reuse), sched,

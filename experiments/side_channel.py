@@ -53,7 +53,7 @@ def load(config: ml_collections.ConfigDict) -> Model:
     if config.model == "tiny":
         cfg, params = tiny_model(0, vocab_size=1024)
         return Model(config=cfg, params=params, tokenizer=None, path=pathlib.Path("tiny"))
-    return load_model(config.model, config.gguf_path or None)
+    return load_model(config.model, config.gguf_path or None, config.param_dtype or None)
 
 
 def make_round(config: ml_collections.ConfigDict, per_cell: int, firsts: list[int], rng: np.random.Generator, vocab: int

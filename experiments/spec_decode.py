@@ -257,7 +257,7 @@ def plot(rows: Sequence[dict], path: pathlib.Path, batches: Sequence[int]) -> No
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
-    model = load_model(config.model, config.gguf_path or None)
+    model = load_model(config.model, config.gguf_path or None, config.param_dtype or None)
     start = time.perf_counter()
     speed = speed_rows(model, config)
     hits = prefix_reuse_hit_rates(model, config)

@@ -1,34 +1,17 @@
 """The engine: requests in, tokens out, over one shared page pool.
 
-Each ``step()``:
+Each ``step()``: the scheduler (``kvjax.engine.scheduler``) plans the step and reserves its
+pages (running requests decode or prefill their next chunk; waiting ones are admitted with
+their longest cached prefix skipped); the manager's page operations run on the tiers; the
+step's works go to their runners (``self.runners``, ``kvjax.engine.runner``: "prefill",
+"blend" for CacheBlend requests, "decode", speculative with a ``SpeculativeConfig``) in
+bucketed shapes; the scheduler commits the computed tokens (full blocks enter the radix tree)
+and finishes requests on their stop token or length. With Manager V2, a step in which every
+running request decodes runs on the device (``kvjax.engine.device_decode``).
 
-1. the scheduler (``kvjax.engine.scheduler``) plans the step: running requests decode one
-   token or prefill their next chunk; waiting requests are admitted (the manager matches
-   their longest cached prefix, which is skipped) under the token budget, prefix-aware;
-2. the manager's page operations (offload, onboard, copy) run on the pools
-   (``kvjax.engine.page_ops``);
-3. the step's works go to their runners (``self.runners``, see ``kvjax.engine.runner``): one
-   jitted forward per prefill chunk ("prefill"), a blended request's whole prompt ("blend")
-   and one batched forward for all decodes ("decode"; speculative with a
-   ``SpeculativeConfig``, ``kvjax.engine.speculative_step``), shapes padded to buckets;
-4. sampling runs on device; the scheduler commits the computed tokens to the manager (full
-   blocks enter the radix tree) and finishes requests on the stop token or length.
-
-A request submitted with ``chunks`` (a ``ChunkedPrompt``: CacheBlend's
-``kvjax.blend.engine_blend.ChunkReuse``) is a blended request: its prompt reuses stored chunk
-KV, scheduled like any other and charged the rows it recomputes. The engine sees only the
-protocol, and the blend package sees only the step context (``StepContext``: weights, layout,
-manager, page pool).
-
-A hybrid model (recurrent layers) also has a recurrent state (``self.recurrent``,
-``kvjax.engine.recurrent``). With Manager V2 (``kvjax.engine.manager_choice``) a step in which
-every running request decodes runs on the device instead (``kvjax.engine.device_decode``).
-
-When a step cannot get pages, the scheduler preempts the newest running request (its blocks
-stay cached) and re-admits it later. Failures are per request: ``submit()`` validates every
-argument before touching any state; a failure inside a step finishes only the request whose
-work raised (``finish_reason="error"``). One re-entrant lock guards the engine's state, so
-every public method may be called from any thread. The API's contract in full:
+Failures are per request: ``submit()`` validates every argument before touching any state,
+and a failure inside a step finishes only the request whose work raised. One re-entrant lock
+guards the engine's state. The request walks: ``docs/architecture.md``; the API's contract:
 ``docs/engine.md``.
 """
 
