@@ -84,20 +84,26 @@ def initialize_distributed(
     num_processes: int | None = None,
     process_id: int | None = None,
     local_device_ids: Sequence[int] | None = None,
+    initialization_timeout: int = 300,
 ) -> None:
     """Joins a multi-host job (``jax.distributed.initialize``); a no-op for one process.
 
     On Cloud TPU, SLURM and Open MPI every argument is detected from the environment; else
     give ``coordinator_address`` ("host:port" of process 0), ``num_processes`` and this
-    ``process_id`` in every process. Call it before any other JAX call.
+    ``process_id`` in every process. Call it before any other JAX call. CPU devices exchange
+    their collectives through gloo (set here; accelerators use their own).
+
+    Args:
+      initialization_timeout: seconds to wait for every process to join before raising.
     """
     if num_processes == 1:
         return
     if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
         raise ValueError(f"process_id={process_id} must lie in [0, num_processes={num_processes})")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
-        local_device_ids=local_device_ids,
+        local_device_ids=local_device_ids, initialization_timeout=initialization_timeout,
     )
 
 
