@@ -1,6 +1,7 @@
 """Static shape of the paged KV cache: layers, layer groups by attention window, pages.
 
-Glossary (used in shape comments across ``kvjax.cache`` and the model):
+The names of the cache's shape (the attention axes' letters are ``kvjax/axes.py``'s, which
+uses the same names for the axes both share):
   num_layers      decoder layers
   num_groups      layer groups; one per distinct attention window, each with its own pool
   group_layers    layers in one group
