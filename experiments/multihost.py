@@ -3,9 +3,10 @@
 The launcher (``run``) starts ``config.num_processes`` local processes, each with
 ``config.devices_per_process`` CPU devices, that join one job (``kvjax.distributed.
 initialize_distributed``: the coordination service of process 0, gloo collectives on CPU).
-Every process builds the same mesh over all processes' devices, shards the weights and the page
-pool over it, and runs the same greedy prefill and decode steps (``distributed.sharded_forward``):
-the program is SPMD, each process feeding its own devices. Each writes the tokens it generated;
+Every process builds the same mesh over all processes' devices and the same engine over it
+(``Engine(mesh=...)``: weights and page pool sharded, attention per device) and generates the
+same request: the program is SPMD, each process feeding its own devices and running the same
+host-side scheduler and manager. Each writes the tokens it generated;
 the launcher checks that every process generated exactly the tokens of one process on one
 device. If a process fails, the launcher ends the others at once and raises naming it, and a
 whole run is bounded by ``config.timeout_s``.
@@ -29,105 +30,53 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import ml_collections
 import numpy as np
 
 from experiments import report
 
-STEP = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str], np.ndarray]
-"""(tokens [1, T], positions [1, T], block table [1, P], lengths [1], logits mode) -> logits on the host."""
-
-
-def _model(config: ml_collections.ConfigDict):
-    """(ModelConfig, Params) of ``config.model``: a registry name or a Hugging Face folder."""
+def _engine(config: ml_collections.ConfigDict, mesh=None):
+    """An engine over ``config.model`` whose pool (``config.num_pages`` pages, the null page
+    included) splits over the mesh's ``pages`` axis; sharded over ``mesh`` if given."""
+    from kvjax.config import KvCacheConfig, SchedulerConfig
+    from kvjax.engine import Engine
     from kvjax.model.registry import load_model
 
-    model = load_model(config.model)
-    return model.config, model.params
+    kv = KvCacheConfig(tokens_per_block=config.tokens_per_block, max_tokens=(config.num_pages - 1) * config.tokens_per_block)
+    return Engine(load_model(config.model), kv, SchedulerConfig(max_num_tokens=256, prefill_chunk_size=256),
+                  max_seq_len=config.prompt_tokens + config.new_tokens + config.tokens_per_block, mesh=mesh)
 
 
-def greedy(prompt: list[int], num_new: int, pages: list[int], step: STEP) -> list[int]:
-    """Prefills ``prompt`` in one step, then decodes ``num_new`` tokens greedily, one per step."""
-    table = np.asarray([pages], np.int32)
-    tokens = list(prompt)
-    out: list[int] = []
-    start = 0
-    while len(out) < num_new:
-        chunk = np.asarray([tokens[start:]], np.int32)
-        positions = np.arange(start, len(tokens), dtype=np.int32)[None]
-        logits = step(chunk, positions, table, np.asarray([len(tokens)], np.int32), "last")
-        token = int(np.argmax(logits[0]))
-        out.append(token)
-        start = len(tokens)
-        tokens.append(token)
-    return out
+def generate(engine, config: ml_collections.ConfigDict) -> list[int]:
+    """Greedy tokens of the config's prompt (random ids from ``config.seed``) through ``engine``."""
+    from kvjax.sampling import SamplingParams
 
-
-def _layout(cfg, config: ml_collections.ConfigDict, multiple: int):
-    from kvjax.testing.paged import single_group_layout
-
-    pages = -(-config.num_pages // multiple) * multiple
-    return single_group_layout(cfg, pages, config.tokens_per_block)
-
-
-def _prompt(cfg, config: ml_collections.ConfigDict) -> tuple[list[int], list[int]]:
-    """The prompt and the sequence's pages (a fixed permutation, the same in every process)."""
-    rng = np.random.default_rng(config.seed)
-    prompt = rng.integers(3, cfg.vocab_size, config.prompt_tokens).tolist()
-    needed = -(-(config.prompt_tokens + config.new_tokens) // config.tokens_per_block)
-    pages = (1 + rng.permutation(config.num_pages - 1)[:needed]).tolist()
-    return prompt, pages
+    prompt = np.random.default_rng(config.seed).integers(3, engine.model.config.vocab_size, config.prompt_tokens).tolist()
+    [out] = engine.generate([prompt], SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True))
+    return out.output
 
 
 def single_device_tokens(config: ml_collections.ConfigDict) -> list[int]:
     """The tokens one process on one device generates (the reference)."""
-    import jax.numpy as jnp
-
-    from kvjax.cache import init_pool
-    from kvjax.model.transformer import forward
-
-    cfg, params = _model(config)
-    layout = _layout(cfg, config, 1)
-    state = {"pool": init_pool(layout)}
-
-    def step(tokens, positions, table, lengths, mode):
-        logits, state["pool"] = forward(params, state["pool"], jnp.asarray(tokens), jnp.asarray(positions),
-                                        (jnp.asarray(table),) * layout.num_groups, jnp.asarray(lengths), cfg=cfg, layout=layout,
-                                        logits_mode=mode)
-        return np.asarray(logits)
-
-    prompt, pages = _prompt(cfg, config)
-    return greedy(prompt, config.new_tokens, pages, step)
+    return generate(_engine(config), config)
 
 
 def worker(config: ml_collections.ConfigDict, coordinator: str, num_processes: int, process_id: int,
            out: pathlib.Path) -> None:
-    """One process of the job: joins it, generates over the global mesh, writes its tokens."""
+    """One process of the job: joins it, runs the engine over the global mesh, writes its tokens."""
     import jax
 
     from kvjax import distributed
 
     distributed.initialize_distributed(coordinator, num_processes, process_id, initialization_timeout=config.timeout_s)
-    cfg, params = _model(config)
-    mesh = distributed.make_mesh(cfg.num_kv_heads)
-    layout = _layout(cfg, config, distributed.pages_multiple(mesh))
-    sharded = {"params": distributed.shard_params(params, cfg, mesh), "pool": distributed.init_sharded_pool(layout, mesh)}
-
-    def step(tokens, positions, table, lengths, mode):
-        logits, sharded["pool"] = distributed.sharded_forward(
-            sharded["params"], sharded["pool"], tokens, positions, (table,) * layout.num_groups, lengths, cfg=cfg,
-            layout=layout, mesh=mesh,
-            logits_mode=mode,
-        )
-        return np.asarray(logits.addressable_data(0))  # replicated: every process holds all of it
-
-    prompt, pages = _prompt(cfg, config)
-    tokens = greedy(prompt, config.new_tokens, pages, step)
+    mesh = distributed.make_mesh(_engine(config).model.config.num_kv_heads)
+    engine = _engine(config, mesh)
+    tokens = generate(engine, config)
     out.write_text(json.dumps({
         "process_id": process_id, "tokens": tokens, "mesh": dict(mesh.shape), "global_devices": len(jax.devices()),
         "local_devices": len(jax.local_devices()),
+        "pool_sharded": not engine.pool.k[0].is_fully_addressable,
     }))
 
 
@@ -197,7 +146,8 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     wall_s = time.perf_counter() - start
     reference = single_device_tokens(config)
     rows = [{"process": r["process_id"], "mesh": str(r["mesh"]), "global_devices": r["global_devices"],
-             "local_devices": r["local_devices"], "equal_to_one_device": r["tokens"] == reference} for r in results]
+             "local_devices": r["local_devices"], "pool_spans_processes": r["pool_sharded"],
+             "equal_to_one_device": r["tokens"] == reference} for r in results]
     summary = {"reference_tokens": reference, "processes": results, "all_equal": all(r["equal_to_one_device"] for r in rows),
                "wall_s": wall_s}
     report.write_summary(workdir, f"multihost — {config.num_processes} processes x {config.devices_per_process} devices", [

@@ -132,11 +132,7 @@ def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens
 
 def blend_case(name: str, overrides: dict) -> dict:
     """A CacheBlend prefill (ratio 0.3, gradual filtering) and greedy decode through the engine,
-    one device vs the mesh (sharded weights and page pool)."""
-    import dataclasses
-
-    import jax
-
+    one device vs an engine over the mesh (``Engine(mesh=...)``: sharded weights and page pool)."""
     from kvjax import distributed
     from kvjax.blend.blender import FULL_RECOMPUTE, BlendPrompt
     from kvjax.blend.selection import SelectionConfig
@@ -156,11 +152,8 @@ def blend_case(name: str, overrides: dict) -> dict:
 
     ref = run(make_blender(cfg, params, prompt, max_tokens=256))
     mesh = distributed.make_mesh(cfg.num_kv_heads)
-    blender = make_blender(cfg, params, prompt, max_tokens=256)
+    blender = make_blender(cfg, params, prompt, max_tokens=256, mesh=mesh)  # Engine(mesh=...): sharded weights and pool
     engine = blender.engine
-    assert engine.layout.num_pages[0] % distributed.pages_multiple(mesh) == 0
-    engine.model = dataclasses.replace(engine.model, params=distributed.shard_params(params, cfg, mesh))
-    engine.pool = jax.tree.map(lambda a: jax.device_put(a, distributed.pool_sharding(mesh)), engine.pool)  # chunks kept
     got = run(blender)
     return {
         "mesh": [mesh.shape["pages"], mesh.shape["kv"]],
@@ -170,6 +163,7 @@ def blend_case(name: str, overrides: dict) -> dict:
         "same_tokens": got["tokens"] == ref["tokens"],
         "blend_vs_full": _rel(ref["blend"], ref["full"]),
         "pool_sharded": all(a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in engine.pool.k),
+        "params_sharded": not engine.runner.context.params.layers[0].w_gate.sharding.is_fully_replicated,
     }
 
 
@@ -281,7 +275,7 @@ def test_kv_only_mesh_needs_two_all_reduces_per_layer(tiny_results):
 @pytest.mark.parametrize("name", BLEND_CASES)
 def test_cacheblend_matches_one_device(tiny_results, name):
     r = tiny_results[f"blend_{name}"]
-    assert r["pool_sharded"], r
+    assert r["pool_sharded"] and r["params_sharded"], r
     assert r["blend_rel"] < RTOL and r["decode_rel"] < RTOL and r["full_rel"] < RTOL, r
     assert r["same_tokens"]
     assert r["blend_vs_full"] > 1e-4  # the blend really reused KV (it is not full recompute)
@@ -321,3 +315,35 @@ def test_smollm2_prefill_and_decode_match_one_device():
     assert r["prefill_rel"] < RTOL and r["decode_rel"] < RTOL, r
     assert r["same_argmax"]
     assert r["pool_sharded"]
+
+
+def test_an_engine_over_a_mesh_refuses_what_it_lacks_and_matches_one_device():
+    """On a one-device mesh the sharded engine gives the plain engine's tokens; host tiers and
+    speculative decoding over a mesh are refused naming the field."""
+    import pathlib
+
+    import jax
+
+    from kvjax import distributed
+    from kvjax.config import KvCacheConfig, SchedulerConfig, SpeculativeConfig
+    from kvjax.engine import Engine
+    from kvjax.model.model import Model
+    from kvjax.sampling import SamplingParams
+    from kvjax.testing.tiny import tiny_model
+
+    cfg, params = tiny_model(0)
+    model = Model(config=cfg, params=params, tokenizer=None, path=pathlib.Path("tiny"))
+    mesh = distributed.make_mesh(cfg.num_kv_heads, devices=jax.devices()[:1])
+    kv = KvCacheConfig(tokens_per_block=8, max_tokens=504)
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompt = list(range(3, 40))
+    [plain] = Engine(model, kv, SchedulerConfig(), max_seq_len=128).generate([prompt], sampling)
+    [sharded] = Engine(model, kv, SchedulerConfig(), max_seq_len=128, mesh=mesh).generate([prompt], sampling)
+    assert sharded.output == plain.output
+    with pytest.raises(ValueError, match=r"does not support speculative yet"):
+        Engine(model, kv, SchedulerConfig(), max_seq_len=128, mesh=mesh, speculative=SpeculativeConfig())
+    with pytest.raises(ValueError, match=r"does not support kv_cache_config.host_cache_size yet"):
+        Engine(model, KvCacheConfig(tokens_per_block=8, max_tokens=504, host_cache_size=1 << 20), SchedulerConfig(),
+               max_seq_len=128, mesh=mesh)
+    with pytest.raises(ValueError, match=r"mesh must be None or a jax.sharding.Mesh"):
+        Engine(model, kv, SchedulerConfig(), max_seq_len=128, mesh="pages")

@@ -24,7 +24,9 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from kvjax import attention
+from jax.sharding import Mesh
+
+from kvjax import attention, distributed
 from kvjax.cache import CacheLayout, HostPool, PagePool, init_pool
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, SpeculativeConfig
 from kvjax.engine.device_decode import DeviceDecode
@@ -58,6 +60,9 @@ class Engine:
       max_finished_requests: finished requests whose outputs stay readable by id; older ones
         are forgotten (``generate``/``run``/``stream`` return their own outputs regardless).
       speculative: speculative decoding of every request (None = off).
+      mesh: a device mesh (``kvjax.distributed.make_mesh``, over every process's devices in a
+        multi-process job): the weights and the page pool are sharded over it and attention
+        runs per device. The cache's pages must split over its ``pages`` axis.
     """
 
     def __init__(
@@ -70,10 +75,11 @@ class Engine:
         attn_impl: attention.Impl = "auto",
         max_finished_requests: int = 1024,
         speculative: SpeculativeConfig | None = None,
+        mesh: Mesh | None = None,
     ) -> None:
         cfg = model.config
-        check_engine_options(cfg, max_seq_len, attn_impl, max_finished_requests, speculative)
-        self.uses_manager_v2 = choose_manager_v2(kv_cache_config, cfg, speculative)
+        check_engine_options(cfg, max_seq_len, attn_impl, max_finished_requests, speculative, mesh, kv_cache_config)
+        self.uses_manager_v2 = choose_manager_v2(kv_cache_config, cfg, speculative, mesh is not None)
         """Manager V2 (device-side allocation state, on-device decode) rather than V1."""
         self.model, self.kv_config, self.scheduler_config = model, kv_cache_config, scheduler_config
         self.max_seq_len, self.attn_impl, self.speculative = max_seq_len or cfg.max_seq_len, attn_impl, speculative
@@ -97,7 +103,11 @@ class Engine:
         self.recurrent = (RecurrentState(kv_cache_config, self.layout, cfg, scheduler_config.max_batch_size)
                           if cfg.is_hybrid else None)
         """A hybrid model's recurrent state pool and slot index (None for pure-attention models)."""
-        context = StepContext(model.params, cfg, self.layout, attn_impl, manager, self.host_pool, init_pool(self.layout))
+        if mesh is None:
+            params, pool = model.params, init_pool(self.layout)
+        else:
+            params, pool = distributed.shard_params(model.params, cfg, mesh), distributed.init_sharded_pool(self.layout, mesh)
+        context = StepContext(params, cfg, self.layout, attn_impl, manager, self.host_pool, pool, mesh)
         self.runner = StepRunner(context, self.requests, self.timings, self.recurrent)
         decode = self.runner.decode if speculative is None else SpeculativeDecode(speculative, self.runner, self.max_seq_len)
         self.runners: dict[str, Runner] = {"prefill": self.runner.prefill, "blend": self.runner.blend, "decode": decode}

@@ -13,7 +13,9 @@ from kvjax.model.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def choose_manager_v2(config: KvCacheConfig, cfg: ModelConfig, speculative: SpeculativeConfig | None) -> bool:
+def choose_manager_v2(
+    config: KvCacheConfig, cfg: ModelConfig, speculative: SpeculativeConfig | None, sharded: bool = False
+) -> bool:
     """Whether an engine runs Manager V2: ``use_kv_cache_manager_v2`` "true" / "false", or for
     "auto" the model family's ``prefers_kv_cache_manager_v2`` (V1 when it declares none, or
     when it prefers V2 but the configuration needs a V1 feature).
@@ -33,6 +35,7 @@ def choose_manager_v2(config: KvCacheConfig, cfg: ModelConfig, speculative: Spec
              config.event_buffer_max_size > 0),
             ("speculative (speculative decoding rolls back slots the host manager owns)", speculative is not None),
             (f"model {cfg.name!r} with recurrent layers (recurrent-state pool and snapshots)", cfg.is_hybrid),
+            ("a device mesh (the on-device decode loop runs on one device)", sharded),
         )
         if present
     ]

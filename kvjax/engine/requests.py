@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from kvjax import attention
-from kvjax.config import KvCacheRetentionConfig, SpeculativeConfig, as_retention_config
+from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SpeculativeConfig, as_retention_config
 from kvjax.engine.scheduler import SchedulerRequest
 from kvjax.manager import MultimodalItem, hashing
 from kvjax.model.config import ModelConfig
@@ -141,8 +142,11 @@ def check_engine_options(
     attn_impl: str,
     max_finished_requests: int,
     speculative: SpeculativeConfig | None,
+    mesh: Mesh | None = None,
+    kv_config: KvCacheConfig | None = None,
 ) -> None:
-    """Raises ``ValueError`` naming the first ``Engine`` option that does not fit ``cfg``'s model."""
+    """Raises ``ValueError`` naming the first ``Engine`` option that does not fit ``cfg``'s model
+    (or, with a device ``mesh``, a feature the sharded engine does not have yet)."""
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be None or a SpeculativeConfig, got {type(speculative).__name__}")
     if isinstance(max_finished_requests, bool) or not isinstance(max_finished_requests, int) or max_finished_requests < 1:
@@ -160,3 +164,12 @@ def check_engine_options(
             f"speculative decoding is not supported for the hybrid model {cfg.name!r}: a rejected draft "
             "cannot be rolled back out of a recurrent state; pass speculative=None"
         )
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise ValueError(f"mesh must be None or a jax.sharding.Mesh (kvjax.distributed.make_mesh), got {type(mesh).__name__}")
+        lacking = [name for name, present in (
+            ("speculative", speculative is not None), ("a hybrid model", cfg.is_hybrid),
+            ("kv_cache_config.host_cache_size", kv_config is not None and kv_config.host_cache_size > 0),
+        ) if present]
+        if lacking:
+            raise ValueError(f"an engine over a device mesh does not support {', '.join(lacking)} yet; drop the mesh or these")

@@ -23,12 +23,15 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, PagePool
+from kvjax.distributed import replicate
 from kvjax.engine.buckets import pow2_bucket, prefill_bucket, table_width
 from kvjax.engine.outputs import RequestRecord
 from kvjax.engine.page_ops import apply_page_ops
@@ -59,6 +62,8 @@ class StepContext:
       manager: the cache manager; runners read block tables and roll back draft slots.
       host_pool: the host and disk tiers' pages (``execute_page_ops`` moves pages to and from them).
       pool: the device page pool; replaced by every call that donates it.
+      mesh: the device mesh the weights and the pool are sharded over (``kvjax.distributed``;
+        attention then runs per device, the step's inputs are replicated); None = one device.
     """
 
     params: Params
@@ -68,6 +73,7 @@ class StepContext:
     manager: CacheManager
     host_pool: HostPool
     pool: PagePool
+    mesh: Mesh | None = None
 
     def execute_page_ops(self) -> int:
         """Runs the manager's queued page operations (offload, onboard, copy) on the pool and
@@ -81,7 +87,7 @@ class StepContext:
         return block_tables(self.layout.num_groups, works, num_rows, width, self.manager.block_table)
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class StepInputs:
     """The device inputs of one forward over S rows of T token slots.
 
@@ -234,13 +240,15 @@ class StepRunner:
         longest = max(len(w.token_ids) for w in works)
         inputs = step_inputs(ctx.layout, works, prefill_bucket(longest) if phase == "prefill" else pow2_bucket(longest),
                              ctx.manager.block_table)
+        if ctx.mesh is not None:
+            inputs = replicate(inputs, ctx.mesh)
         rows = inputs.tokens.shape[0]
         samples = any(w.samples for w in works)
         keeps = phase == "prefill" and any(self.records[w.request_id].sampling.prompt_logits for w in works)
         slots = None if self.recurrent is None else self.recurrent.slots(works, rows)
         logits, ctx.pool, *state = forward(
             ctx.params, ctx.pool, inputs.tokens, inputs.positions, inputs.block_tables, inputs.lengths,
-            cfg=ctx.cfg, layout=ctx.layout, attn_impl=ctx.attn_impl,
+            cfg=ctx.cfg, layout=ctx.layout, attn_impl=ctx.attn_impl, mesh=ctx.mesh,
             logits_mode="all" if keeps else "last" if samples else "none",
             state=None if slots is None else self.recurrent.read(slots),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+from jax.sharding import Mesh
 
 from kvjax.blend.blender import Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore, Variant
@@ -26,25 +27,30 @@ def random_prompt(
     return BlendPrompt(prefix=draw(prefix_len), chunks=tuple(draw(n) for n in chunk_lens), suffix=draw(suffix_len))
 
 
-def tiny_engine(cfg: ModelConfig, params: Params, *, max_tokens: int = 8176, max_seq_len: int = 512, tokens_per_block: int = 16) -> Engine:
+def tiny_engine(cfg: ModelConfig, params: Params, *, max_tokens: int = 8176, max_seq_len: int = 512, tokens_per_block: int = 16,
+                mesh: Mesh | None = None) -> Engine:
     """An engine over a tiny model (float32 cache of ``max_tokens`` tokens, one-step prefills; the
-    default gives 512 pages with the null page, divisible by any mesh's page axis up to 512)."""
+    default gives 512 pages with the null page, divisible by any mesh's page axis up to 512),
+    sharded over ``mesh`` if given."""
     model = Model(config=cfg, params=params, tokenizer=None, path=pathlib.Path("tiny"))
     return Engine(
         model, KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=max_tokens, event_buffer_max_size=10_000),
-        SchedulerConfig(max_num_tokens=4096, prefill_chunk_size=4096), max_seq_len=max_seq_len,
+        SchedulerConfig(max_num_tokens=4096, prefill_chunk_size=4096), max_seq_len=max_seq_len, mesh=mesh,
     )
 
 
 def make_blender(
-    cfg: ModelConfig, params: Params, prompt: BlendPrompt, *, variant: Variant = "system", max_tokens: int = 512
+    cfg: ModelConfig, params: Params, prompt: BlendPrompt, *, variant: Variant = "system", max_tokens: int = 512,
+    mesh: Mesh | None = None,
 ) -> Blender:
     """A Blender over a fresh engine and store holding ``prompt``'s chunks (16-token pages, 64-token buckets).
 
     Args:
       max_tokens: the engine's ``max_seq_len`` (longest prompt plus continuation).
+      mesh: the device mesh the engine is sharded over (None = one device).
     """
-    store = ChunkStore(tiny_engine(cfg, params, max_seq_len=max_tokens), variant=variant, prefix_tokens=prompt.prefix)
+    store = ChunkStore(tiny_engine(cfg, params, max_seq_len=max_tokens, mesh=mesh), variant=variant,
+                       prefix_tokens=prompt.prefix)
     for chunk in prompt.chunks:
         store.put(chunk)
     return Blender(store, token_bucket=64)

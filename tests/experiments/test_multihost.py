@@ -1,6 +1,6 @@
-"""Two local processes join one JAX job (gloo collectives on CPU), shard a checkpoint's weights
-and page pool over a mesh of both processes' devices, and generate exactly the tokens one process
-on one device generates; a killed process ends the run with an error naming it, not a hang."""
+"""Two local processes join one JAX job (gloo collectives on CPU), build the engine over a mesh of
+both processes' devices (``Engine(mesh=...)``: weights and page pool sharded across the two), and
+generate exactly the tokens one process on one device generates; a killed process ends the run with an error naming it, not a hang."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def test_two_processes_generate_the_tokens_of_one_device(tmp_path):
     assert [p["global_devices"] for p in summary["processes"]] == [4, 4]
     assert [p["local_devices"] for p in summary["processes"]] == [2, 2]
     assert {tuple(p["mesh"].values()) for p in summary["processes"]} == {(2, 2)}
+    assert all(p["pool_sharded"] for p in summary["processes"])  # no process holds the whole pool
 
 
 def test_a_killed_process_ends_the_run_with_a_clear_error(tmp_path):
