@@ -24,7 +24,6 @@ import functools
 import logging
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
