@@ -80,16 +80,24 @@ def test_prefix_reuse_on_a_loaded_checkpoint_equals_a_cold_prefill(qwen2):
     np.testing.assert_allclose(np.stack(warm.logits), np.stack(cold.logits), atol=1e-4)
 
 
-def test_cacheblend_on_a_loaded_checkpoint_keeps_its_identities():
-    """On llama3 (scaled RoPE: the chunk keys' re-rotation must scale too): selecting every
-    token equals full recompute; a 15% blend lies between full reuse and full recompute."""
+@pytest.fixture(scope="module")
+def llama3_blend():
+    """(blender, prompt, full recompute's and full reuse's last logits) on the llama3 checkpoint:
+    a prefix, two stored chunks of 192 and 200 tokens, a suffix."""
     model = load_model(str(HF / "llama3_scaled"))
     ids = np.load(HF / "llama3_scaled" / "reference.npz")["token_ids"].tolist()
     prompt = BlendPrompt(prefix=tuple(ids[:8]), chunks=(tuple(ids[8:200]), tuple(ids[200:400])), suffix=tuple(ids[400:416]))
     blender = make_blender(model.config, model.params, prompt)
     full = blender.run(prompt, FULL_RECOMPUTE).logits[-1]
-    every = blender.run(prompt, SelectionConfig(selector="all", row_bucket=16)).logits[-1]
     reuse = blender.run(prompt, SelectionConfig(selector="none", row_bucket=16)).logits[-1]
+    return blender, prompt, full, reuse
+
+
+def test_cacheblend_on_a_loaded_checkpoint_keeps_its_identities(llama3_blend):
+    """On llama3 (scaled RoPE: the chunk keys' re-rotation must scale too): selecting every
+    token equals full recompute; a 15% blend lies between full reuse and full recompute."""
+    blender, prompt, full, reuse = llama3_blend
+    every = blender.run(prompt, SelectionConfig(selector="all", row_bucket=16)).logits[-1]
     blend = blender.run(prompt, SelectionConfig(recompute_ratio=0.15, check_layers=(1,), budgets=(1.0,), row_bucket=16)).logits[-1]
     scale = np.abs(full).max()
     assert np.abs(every - full).max() / scale < 1e-5
@@ -131,15 +139,10 @@ def test_quantized_kv_on_a_loaded_checkpoint_stays_close(qwen2, dtype):
 
 
 @pytest.mark.parametrize("selector", ["cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "random"])
-def test_every_selector_runs_on_a_loaded_checkpoint(selector):
+def test_every_selector_runs_on_a_loaded_checkpoint(llama3_blend, selector):
     """Each published selector's blended prefill on the llama3 checkpoint recomputes a share of
     the chunk tokens after its check layer and lands nearer full recompute than full reuse."""
-    model = load_model(str(HF / "llama3_scaled"))
-    ids = np.load(HF / "llama3_scaled" / "reference.npz")["token_ids"].tolist()
-    prompt = BlendPrompt(prefix=tuple(ids[:8]), chunks=(tuple(ids[8:200]), tuple(ids[200:400])), suffix=tuple(ids[400:416]))
-    blender = make_blender(model.config, model.params, prompt)
-    full = blender.run(prompt, FULL_RECOMPUTE).logits[-1]
-    reuse = blender.run(prompt, SelectionConfig(selector="none", row_bucket=16)).logits[-1]
+    blender, prompt, full, reuse = llama3_blend
     run = blender.run(prompt, SelectionConfig(selector=selector, recompute_ratio=0.3, check_layers=(1,), budgets=(1.0,),
                                               row_bucket=16))
     chunk = np.zeros(len(prompt.tokens), bool)
