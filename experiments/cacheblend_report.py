@@ -27,7 +27,7 @@ from kvjax.blend.selection import SelectionConfig
 
 TIME_SLACK = 1.3
 """A selector's time fraction must stay within this factor of its FLOP fraction (plus the fixed cost)."""
-PHASES = ("load_s", "reposition_s", "check_layers_s", "row_layers_s", "logits_write_s")
+PHASES = ("load_s", "check_layers_s", "row_layers_s", "logits_s")
 
 
 def _with_ci(row: dict, key: str) -> str:

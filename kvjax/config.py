@@ -252,6 +252,12 @@ class KvCacheConfig:
         absolute here, against the working directory of this call. None = a fresh folder
         under the system temp dir.
       secondary_offload_min_priority: blocks with priority below this are dropped, not offloaded.
+      host_read_gbps, disk_read_gbps: emulated read bandwidth (GB/s, 1e9 bytes) of the host and
+        disk tiers; 0 = as fast as this machine reads them. For experiments on a machine whose
+        page cache makes every tier memory-speed: a read of ``n`` bytes is made to last
+        ``latency + n / bandwidth`` by sleeping after the real copy (no CPU is used while it
+        waits). ``kvjax.cache.host_pool.TierThrottle``.
+      host_latency_ms, disk_latency_ms: emulated latency (ms) of each read of the tier, >= 0.
       enable_partial_reuse: reuse a block whose tokens match only in part.
       copy_on_partial_reuse: copy the matching tokens into a fresh block (else reuse the
         partially matched block only when no other request holds it).
@@ -283,6 +289,10 @@ class KvCacheConfig:
     disk_cache_size: int = 0
     disk_cache_dir: str | None = None
     secondary_offload_min_priority: int = DEFAULT_PRIORITY
+    host_read_gbps: float = 0.0
+    host_latency_ms: float = 0.0
+    disk_read_gbps: float = 0.0
+    disk_latency_ms: float = 0.0
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True
     max_attention_window: tuple[int, ...] | None = None
@@ -339,6 +349,10 @@ class KvCacheConfig:
         if self.disk_cache_dir is not None:
             object.__setattr__(self, "disk_cache_dir", os.path.abspath(os.path.expanduser(self.disk_cache_dir)))
         _check_priority("secondary_offload_min_priority", self.secondary_offload_min_priority)
+        for name, unit in (("host_read_gbps", "GB/s; 0 = unthrottled"), ("host_latency_ms", "ms"),
+                           ("disk_read_gbps", "GB/s; 0 = unthrottled"), ("disk_latency_ms", "ms")):
+            value = getattr(self, name)
+            _require(_is_number(value) and 0.0 <= value < float("inf"), f"{name}={value!r} must be a finite number >= 0 ({unit})")
         for name, kind, is_kind, meaning in (
             ("max_attention_window", "ints", _is_int, "one window per layer, cycled"),
             ("pool_ratio", "numbers", _is_number, "one weight per layer group"),

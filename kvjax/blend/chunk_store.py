@@ -19,7 +19,7 @@ Looking chunks up (``acquire``) registers one short-lived lookup request per chu
 same tokens under the same salt: the manager matches the chunk's cached blocks, takes
 references on them and queues onboards for blocks offloaded to the host tier, which the
 engine executes at once. ``slots`` maps the looked-up positions to prompt tokens, the
-blended prefill reads their KV from the engine's pages (``fusor.prepare``), and ``release``
+blended prefill reads their KV from the engine's pages (``fusor.read_layer``), and ``release``
 drops the references (the blocks stay cached, LRU-ordered by this use). A lookup appends
 one sentinel token so the last block matches too (the manager always leaves the last
 prompt token to compute).

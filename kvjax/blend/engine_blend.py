@@ -13,8 +13,10 @@ when its prefill comes, the engine calls ``blended_prefill``:
    prompt's prefix is the store's variant prefix) or from the ordinary scope (salt None);
    their slots in the engine's pages are held until the prefill has read them;
 3. ``selection.plan`` builds the rows to recompute, and ``fusor.blend_prefill`` reads the
-   reused KV from those slots (keys re-rotated, one program for all layers) and writes it
-   with the recomputed rows' KV into the request's pages;
+   reused KV from those slots layer by layer (keys re-rotated) and writes it with the
+   recomputed rows' KV into the request's pages. Chunk blocks that were on the host or disk
+   tier are onboarded layer by layer meanwhile (``pipelined``): a loader thread reads layer
+   l + 1 from its tier while layer l computes (``kvjax.engine.page_ops.LayerwiseOnboard``);
 4. the scheduler commits the prompt (full blocks enter the tree under the blend scope) and
    the engine samples the first token; decoding goes on with the other requests.
 
@@ -48,7 +50,7 @@ import jax
 import numpy as np
 
 from kvjax.blend.chunk_store import ChunkStore
-from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
+from kvjax.blend.fusor import BlendInputs, BlendPlan, ComputeTimeline, PrefillInterrupted, blend_prefill
 from kvjax.blend.selection import (
     SCHEDULE_SELECTORS,
     Roles,
@@ -62,6 +64,7 @@ from kvjax.blend.selection import (
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
 from kvjax.engine import table_width
+from kvjax.engine.page_ops import LayerwiseOnboard, apply_page_ops, split_layerwise
 from kvjax.engine.runner import StepContext
 from kvjax.manager.hashing import InternalScope
 
@@ -82,7 +85,10 @@ class ChunkReuse:
         fused KV in the request's ``blend_trace`` (evaluation).
       scores: [L, T] true deviation for the "oracle" selector.
       scope: the blend scope's name; default derived from the store variant and selection.
-      row_bucket: prompt paddings round to this (``token_bucket``) for shared compiled code.
+      token_bucket: prompt paddings round to this for shared compiled code.
+      pipelined: onboard host and disk chunk blocks layer by layer while the prefill computes
+        (False: every block is on the device before the first layer starts).
+      timeline: record when each layer was loaded and computed (``BlendReport.timeline``).
     """
 
     store: ChunkStore
@@ -93,6 +99,8 @@ class ChunkReuse:
     scores: np.ndarray | None = dataclasses.field(default=None, compare=False)
     scope: str | None = None
     token_bucket: int = 64
+    pipelined: bool = True
+    timeline: bool = False
 
     @property
     def salt(self) -> InternalScope:
@@ -131,6 +139,9 @@ class ChunkReuse:
                                         ("num_probes", self.num_probes, 0, None), ("token_bucket", self.token_bucket, 1, None)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
                 raise ValueError(f"chunks.{field}={value!r} must be an int in [{low}, {high if high is not None else 'inf'})")
+        for field in ("pipelined", "timeline"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"chunks.{field}={getattr(self, field)!r} must be a bool")
         if self.scope is not None and not (isinstance(self.scope, str) and self.scope):
             raise ValueError(f"chunks.scope={self.scope!r} must be None or a non-empty str")
         num_layers = context.cfg.num_layers
@@ -166,10 +177,15 @@ class BlendReport:
       num_forced: tokens recomputed in every layer (suffix, uncached prefix, missed chunk tokens).
       num_missed: chunk tokens without stored KV (evicted), recomputed.
       onboarded_pages: host pages onboarded by the lookups.
-      load_s: seconds to look up and gather the reused KV (and build the inputs).
-      phases: seconds of the fusor's phases (``fusor.blend_prefill``): "reposition",
-        "check_layers", "row_layers", "logits_write".
+      layerwise_pages: of those, pages onboarded layer by layer during the prefill.
+      load_s: seconds to look up the chunks, run the page operations that must come first
+        (all onboards unless pipelined) and build the inputs.
+      phases: seconds of the fusor's phases (``fusor.blend_prefill``): "check_layers",
+        "row_layers", "logits".
       recomputed: [L, T] bool, the prompt tokens each layer recomputed (T = prompt tokens).
+      timeline: with ``ChunkReuse.timeline``, "load" (``LayerwiseOnboard.events``) and
+        "compute" (``fusor.ComputeTimeline.events``) with times in seconds from the prefill's
+        start; else None.
     """
 
     num_cached: int
@@ -178,9 +194,11 @@ class BlendReport:
     num_forced: int
     num_missed: int
     onboarded_pages: int
+    layerwise_pages: int
     load_s: float
     phases: dict[str, float]
     recomputed: np.ndarray
+    timeline: dict[str, list[dict]] | None = None
 
 
 def blended_prefill(
@@ -228,8 +246,13 @@ def blended_prefill(
         if prefix_lease is not None:
             store.release(prefix_lease)
         raise
+    loader: LayerwiseOnboard | None = None
     try:
-        context.execute_page_ops()  # the leases' onboards
+        ops = context.manager.take_page_ops()  # the leases' onboards (and the evictions that made room)
+        now, later = split_layerwise(ops) if reuse.pipelined else (ops, [])
+        context.pool = apply_page_ops(context.pool, layout, context.host_pool, now, end_step=not later)
+        if later:
+            loader = LayerwiseOnboard(context.host_pool, layout, later)
         prefix_hit = 0
         if prefix_lease is not None:
             hit = range(num_cached, max(num_cached, min(prefix_lease.covered[0], p)))
@@ -287,20 +310,37 @@ def blended_prefill(
                                num_logits=reuse.num_prompt_logits)
         load_s = time.perf_counter() - t0
         phases: dict[str, float] = {}
-        logits, context.pool, recomputed, trace = blend_prefill(
-            context.params, context.pool, inputs, cfg=cfg, layout=layout, plan=blend_plan,
-            attn_impl=context.attn_impl, phases=phases,
-        )
+        compute = ComputeTimeline() if reuse.timeline else None
+        try:
+            logits, context.pool, recomputed, trace = blend_prefill(
+                context.params, context.pool, inputs, cfg=cfg, layout=layout, plan=blend_plan,
+                attn_impl=context.attn_impl, phases=phases, fetch=loader.fetch if loader else None, timeline=compute,
+            )
+        except PrefillInterrupted as stop:
+            context.pool = stop.pool
+            raise stop.__cause__ from None
+        finally:
+            if compute is not None:
+                compute.close()
     finally:  # the chunk blocks stay referenced until the fusor has read them
+        if loader is not None:
+            context.pool = loader.finish(context.pool)
         store.release(lease)
         if prefix_lease is not None:
             store.release(prefix_lease)
     if trace is not None:
         trace["k"], trace["v"] = trace["k"][:, :n], trace["v"][:, :n]
+    timeline = None
+    if compute is not None:
+        def since(events: list[dict]) -> list[dict]:
+            return [{k: x - t0 if k.endswith("_s") else x for k, x in e.items()} for e in events]
+
+        timeline = {"load": since(loader.events if loader else []), "compute": since(compute.events)}
     report = BlendReport(
         num_cached=num_cached, prefix_hit=prefix_hit, chunk_hit=chunk_hit, num_forced=int(forced_mask.sum()),
         num_missed=int(missed.sum()), onboarded_pages=store.stats.onboarded_pages - onboarded,
-        load_s=load_s, phases=phases, recomputed=np.asarray(recomputed)[:, :n],
+        layerwise_pages=len(later), load_s=load_s, phases=phases, recomputed=np.asarray(recomputed)[:, :n],
+        timeline=timeline,
     )
     return logits, trace, report
 

@@ -1,25 +1,29 @@
 """Layer-by-layer blended prefill into the paged cache: the one blended-prefill driver.
 
-The reused KV of every prompt token (chunks precomputed alone) is re-rotated to its actual
-position once for all layers (``prepare``), as one contiguous per-sequence K/V array per
-layer. Then for every layer l (compiled as a check phase plus one reused layer step, see
+The reused KV of every prompt token (chunks precomputed alone) sits in the engine's pages.
+For every layer l (compiled as a check phase plus one reused layer step, see
 ``blend_prefill``):
 
-1. the rows still being recomputed get fresh q/k/v from their own hidden states; at a check
+1. the layer's reused KV is read from its slots and its keys re-rotated to the actual
+   positions (``read_layer``), as one contiguous [T, K, d] array;
+2. the rows still being recomputed get fresh q/k/v from their own hidden states; at a check
    layer their deviation from the reused KV narrows the set (``selection.narrow``);
-2. the recomputed rows' K/V overwrite the reused ones in the layer's contiguous K/V (the
+3. the recomputed rows' K/V overwrite the reused ones in the layer's contiguous K/V (the
    fused KV);
-3. the recomputed rows attend over it (``attend_rows``: on CPU blocked attention straight
+4. the recomputed rows attend over it (``attend_rows``: on CPU blocked attention straight
    over the contiguous K/V, elsewhere the backend's ``attention.partial_attention`` with the
    array seen as pages 0, 1, ...), with a causal mask exact by position
    (``key_pos <= query_pos``), and run the MLP. After a check the kept rows are in token
-   order, so blocks of rows attend over a causal staircase of keys.
+   order, so blocks of rows attend over a causal staircase of keys;
+5. the layer's fused KV is written into the sequence's pages (``write_layer_fused``; tokens
+   below ``num_cached`` are left alone).
 
-Finally the fused KV of every layer is written into the sequence's pages in one program
-(``write_fused``; tokens below ``num_cached`` are left alone). Decoding then continues with
-``transformer.forward`` like after any prefill. ``blend_prefill`` is the only layer loop; the
-engine runs it for every request submitted with chunks (``kvjax.blend.engine_blend``).
-Recomputing every row reproduces full recompute; recomputing only the suffix is full KV reuse.
+Only one layer's reused KV is held at a time, so layer l + 1's KV can still be on its way
+from a slower tier while layer l computes (``fetch``: ``kvjax.engine.page_ops.LayerwiseOnboard``).
+Decoding then continues with ``transformer.forward`` like after any prefill.
+``blend_prefill`` is the only layer loop; the engine runs it for every request submitted
+with chunks (``kvjax.blend.engine_blend``). Recomputing every row reproduces full recompute;
+recomputing only the suffix is full KV reuse.
 
 Shapes: L = layers, T = padded prompt tokens, M = recomputed row capacity, K = kv heads,
 H = heads, d = head_dim, D = d_model, V = vocab, P = probe rows, pages_per_seq = block-table width,
@@ -31,7 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
+import threading
 import time
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -41,7 +48,7 @@ from kvjax import attention
 from kvjax.blend.reposition import reposition_keys
 from kvjax.blend.selection import FEATURES, CheckScore, check_features, check_score, narrow
 from kvjax.cache.layout import CacheLayout
-from kvjax.cache.pool import PagePool, read_sequence, write_sequence
+from kvjax.cache.pool import PagePool, Pages, read_slots, slot_mapping, write_layer
 from kvjax.model import transformer
 from kvjax.model.config import ModelConfig
 from kvjax.attention.rows import row_attention
@@ -214,31 +221,34 @@ def attend_rows(
     )[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layout"))
-def prepare(
-    pool: PagePool, inputs: BlendInputs, *, cfg: ModelConfig, layout: CacheLayout
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Per-layer contiguous reused KV at the actual positions, read from the pool's slots in one
-    program: keys re-rotated by ``deltas``, zeros where a token has no stored KV.
+def read_layer(k_pages: Pages, v_pages: Pages, inputs: BlendInputs, *, cfg: ModelConfig, layout: CacheLayout, layer: int) -> tuple[jax.Array, jax.Array]:
+    """One layer's reused KV at the actual positions, read from the pool's slots: keys
+    re-rotated by ``deltas``, zeros where a token has no stored KV. Traceable.
+
+    Args:
+      k_pages, v_pages: the layer's pages (``PagePool.k[layer]``, ``.v[layer]``).
 
     Returns:
-      (k, v): one [T, K, d] array per layer each (quantized pages dequantized).
+      (k, v): [T, K, d] each (quantized pages dequantized).
     """
-    k, v = read_sequence(pool, layout, inputs.page_ids, inputs.offsets, inputs.reused)
-    return tuple(
-        reposition_keys(k[i], inputs.deltas, cfg.layer_rope_theta[i], cfg.layer_rope_scaling[i])
-        for i in range(layout.num_layers)
-    ), v
+    ids = inputs.page_ids[layout.layer_group[layer]]
+    mask = inputs.reused[:, None, None]
+    k = jnp.where(mask, read_slots(k_pages, ids, inputs.offsets), 0)
+    v = jnp.where(mask, read_slots(v_pages, ids, inputs.offsets), 0)
+    return reposition_keys(k, inputs.deltas, cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer]), v
 
 
-@functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("pool",))
-def write_fused(
-    pool: PagePool, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], inputs: BlendInputs, *, layout: CacheLayout
-) -> PagePool:
-    """Writes the fused KV ([T, K, d] per layer) into the sequence's pages, except the
-    ``num_cached`` leading tokens (pages the tree already holds, possibly shared)."""
+def write_layer_fused(
+    k_pages: Pages, v_pages: Pages, seq_k: jax.Array, seq_v: jax.Array, inputs: BlendInputs, *, layout: CacheLayout, layer: int
+) -> tuple[Pages, Pages]:
+    """Writes one layer's fused KV ([T, K, d]) into the sequence's pages, except the
+    ``num_cached`` leading tokens (pages the tree already holds, possibly shared). Traceable.
+
+    The pages written (the request's own, past ``num_cached``) are never slots ``read_layer``
+    reads, so a layer can be written as soon as it is fused."""
     write_pos = jnp.where(inputs.positions >= inputs.num_cached, inputs.positions, -1)  # [T]
-    return write_sequence(pool, layout, inputs.block_table, write_pos, k, v)
+    page_ids, offsets = slot_mapping(inputs.block_table[layout.layer_group[layer]][None], write_pos[None], layout.tokens_per_block)
+    return (write_layer(k_pages, page_ids, offsets, seq_k[None]), write_layer(v_pages, page_ids, offsets, seq_v[None]))
 
 
 def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInputs) -> RowState:
@@ -266,11 +276,13 @@ def _probe_attention(inputs: BlendInputs, rows: RowState, out: jax.Array) -> jax
     return match.astype(out.dtype) @ out.reshape(out.shape[0], -1)  # [P, H*d]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layout", "checks", "score", "num_probes", "attn_impl"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "layout", "checks", "score", "num_probes", "attn_impl"), donate_argnames=("k_pages", "v_pages")
+)
 def _check_phase(
     params: transformer.Params,
-    seq_k: tuple[jax.Array, ...],
-    seq_v: tuple[jax.Array, ...],
+    k_pages: tuple[Pages, ...],
+    v_pages: tuple[Pages, ...],
     inputs: BlendInputs,
     *,
     cfg: ModelConfig,
@@ -279,22 +291,25 @@ def _check_phase(
     score: CheckScore,
     num_probes: int,
     attn_impl: attention.Impl,
-) -> tuple[RowState, tuple[jax.Array, ...], tuple[jax.Array, ...], list, jax.Array]:
+) -> tuple[RowState, tuple[Pages, ...], tuple[Pages, ...], list, list, jax.Array, tuple]:
     """Layers 0 .. last check layer in one program: all tokens, then narrowing at each check.
 
-    ``seq_k``/``seq_v`` hold the reused KV of exactly these layers.
+    ``k_pages``/``v_pages`` are the pages of exactly these layers (donated): each layer's
+    reused KV is read from them and its fused KV written back into the sequence's pages.
 
     Returns:
-      (rows, seq_k, seq_v, per-layer recomputed masks [T], per-layer probe attention [P, H*d]
-      (empty unless ``num_probes``), features [T, len(FEATURES)] of every token at the first
-      check layer, ``selection.check_features``; zeros unless ``num_probes``).
+      (rows, k_pages, v_pages, per-layer recomputed masks [T], per-layer probe attention
+      [P, H*d] (empty unless ``num_probes``), features [T, len(FEATURES)] of every token at the
+      first check layer (``selection.check_features``; zeros unless ``num_probes``), per-layer
+      fused (k, v) [T, K, d] (empty unless ``num_probes``)).
     """
     check_at = {layer: (i, capacity) for i, (layer, capacity) in enumerate(checks)}
     rows = initial_rows(params, cfg, inputs)
-    seq_k, seq_v, masks, probes = list(seq_k), list(seq_v), [], []
+    k_pages, v_pages, masks, probes, fused = list(k_pages), list(v_pages), [], [], []
     t = inputs.tokens.shape[0]
     features = jnp.zeros((t, len(FEATURES)), jnp.float32)
-    for layer in range(len(seq_k)):
+    for layer in range(len(k_pages)):
+        seq_k, seq_v = read_layer(k_pages[layer], v_pages[layer], inputs, cfg=cfg, layout=layout, layer=layer)
         check = None
         if layer in check_at:
             i, capacity = check_at[layer]
@@ -303,25 +318,29 @@ def _check_phase(
             row_pos = jnp.where(rows.valid, inputs.positions[rows.idx], -1)
             q, k, v = transformer.qkv(params.layers[layer], cfg, layer, rows.x[None], row_pos[None])
             feats = check_features(
-                q[0], k[0], v[0], seq_k[layer], seq_v[layer], rows.idx, rows.valid, inputs.positions, inputs.deltas,
+                q[0], k[0], v[0], seq_k, seq_v, rows.idx, rows.valid, inputs.positions, inputs.deltas,
                 inputs.length[0], inputs.selectable, inputs.forced, cfg.sm_scale, score.query_rows,
             )  # [M, F]
             features = features.at[jnp.where(rows.valid, rows.idx, t)].set(feats, mode="drop")
-        rows, seq_k[layer], seq_v[layer], out = blend_layer(
-            params.layers[layer], cfg, layout, layer, rows, seq_k[layer], seq_v[layer], inputs, check, score, attn_impl,
+        rows, seq_k, seq_v, out = blend_layer(
+            params.layers[layer], cfg, layout, layer, rows, seq_k, seq_v, inputs, check, score, attn_impl,
         )
+        k_pages[layer], v_pages[layer] = write_layer_fused(k_pages[layer], v_pages[layer], seq_k, seq_v, inputs, layout=layout, layer=layer)
         masks.append(_recomputed(inputs, rows))
         if num_probes:
             probes.append(_probe_attention(inputs, rows, out))
-    return rows, tuple(seq_k), tuple(seq_v), masks, probes, features
+            fused.append((seq_k, seq_v))
+    return rows, tuple(k_pages), tuple(v_pages), masks, probes, features, tuple(fused)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layout", "layer", "num_probes", "attn_impl"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "layout", "layer", "num_probes", "attn_impl"), donate_argnames=("k_pages", "v_pages")
+)
 def layer_step(
     lp: transformer.LayerParams,
     rows: RowState,
-    seq_k: jax.Array,
-    seq_v: jax.Array,
+    k_pages: Pages,
+    v_pages: Pages,
     inputs: BlendInputs,
     *,
     cfg: ModelConfig,
@@ -329,17 +348,22 @@ def layer_step(
     layer: int,
     num_probes: int,
     attn_impl: attention.Impl,
-) -> tuple[RowState, jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """``blend_layer`` without a check as its own program.
+) -> tuple[RowState, Pages, Pages, jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
+    """One layer without a check as its own program: reads the layer's reused KV from its
+    pages (donated), runs ``blend_layer`` and writes the fused KV back into the sequence's pages.
 
     ``layer`` only fixes the RoPE base, scaling and window, so one compiled step serves every
-    layer with the same three (see ``representative_layer``).
+    layer with the same three and the same page shapes (see ``representative_layer``).
 
     Returns:
-      (rows, seq_k, seq_v, recomputed [T] bool, probe attention [P, H*d] or None).
+      (rows, k_pages, v_pages, recomputed [T] bool, with ``num_probes`` (probe attention
+      [P, H*d], fused k, v [T, K, d]) else None).
     """
+    seq_k, seq_v = read_layer(k_pages, v_pages, inputs, cfg=cfg, layout=layout, layer=layer)
     rows, seq_k, seq_v, out = blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, CheckScore(), attn_impl)
-    return rows, seq_k, seq_v, _recomputed(inputs, rows), (_probe_attention(inputs, rows, out) if num_probes else None)
+    k_pages, v_pages = write_layer_fused(k_pages, v_pages, seq_k, seq_v, inputs, layout=layout, layer=layer)
+    trace = (_probe_attention(inputs, rows, out), seq_k, seq_v) if num_probes else None
+    return rows, k_pages, v_pages, _recomputed(inputs, rows), trace
 
 
 def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
@@ -370,6 +394,51 @@ class _PhaseClock:
         self.start = now
 
 
+class ComputeTimeline:
+    """When each layer's computation ran: a watcher thread waits for each dispatched layer's
+    output in order, without holding the dispatching thread back.
+
+    Events (``events``, after ``close``): dicts with "layers" (first, last + 1), "dispatch_s",
+    "start_s" (the later of its dispatch and the previous layer's end: XLA runs them in
+    order), "end_s", all ``time.perf_counter()`` seconds.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._watch, name="kvjax-blend-timeline", daemon=True)
+        self._thread.start()
+
+    def dispatched(self, layers: tuple[int, int], output: jax.Array) -> None:
+        self._queue.put((layers, time.perf_counter(), output))
+
+    def _watch(self) -> None:
+        end = 0.0
+        while (item := self._queue.get()) is not None:
+            layers, dispatch, output = item
+            jax.block_until_ready(output)
+            start, end = max(dispatch, end), time.perf_counter()
+            self.events.append({"layers": layers, "dispatch_s": dispatch, "start_s": start, "end_s": end})
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class PrefillInterrupted(Exception):
+    """A layer of ``blend_prefill`` failed (its ``__cause__``): ``pool`` holds the pages as they
+    are now, donated layers replaced by their outputs, so the caller can keep the engine's pool."""
+
+    def __init__(self, pool: PagePool) -> None:
+        super().__init__("the blended prefill stopped at a failing layer")
+        self.pool = pool
+
+
+LayerFetch = Callable[[int, Pages, Pages], tuple[Pages, Pages]]
+"""``fetch(layer, k_pages, v_pages)``: waits until the layer's reused KV that is still on its
+way from a slower tier is in its pages and returns the pages (``kvjax.engine.page_ops.LayerwiseOnboard``)."""
+
+
 def blend_prefill(
     params: transformer.Params,
     pool: PagePool,
@@ -380,19 +449,29 @@ def blend_prefill(
     plan: BlendPlan,
     attn_impl: attention.Impl = "auto",
     phases: dict[str, float] | None = None,
-) -> tuple[jax.Array, PagePool, dict[str, jax.Array] | None]:
+    fetch: LayerFetch | None = None,
+    timeline: ComputeTimeline | None = None,
+) -> tuple[jax.Array, PagePool, jax.Array, dict[str, jax.Array] | None]:
     """Blended prefill of one prompt; writes the fused KV into the pool (donated).
 
-    ``prepare`` re-rotates the reused KV of all layers at once; then two compiled phases: the
-    check phase (layers 0 .. last check layer, all tokens, then gradual filtering) as one
-    program, and one compiled layer step for the selected rows, dispatched asynchronously per
-    remaining layer (a 30-layer unrolled program would take ~5x longer to compile for every
-    new row capacity, with no faster run time); ``write_fused`` then fills the pages.
+    Two compiled phases: the check phase (layers 0 .. last check layer, all tokens, then
+    gradual filtering) as one program, and one compiled layer step for the selected rows,
+    dispatched asynchronously per remaining layer (a 30-layer unrolled program would take ~5x
+    longer to compile for every new row capacity, with no faster run time). Each layer reads
+    its reused KV from the pool (keys re-rotated) and writes its fused KV into the sequence's
+    pages as it goes, so reused KV is held for one layer (the check phase's layers together),
+    never for all layers.
+
+    With ``fetch``, layer l's pages are asked for just before layer l is dispatched: while
+    the loader brings layer l + 1 from its tier, layer l computes (the check phase waits for
+    all its layers first).
 
     Args:
       inputs: T must be a multiple of ``layout.tokens_per_block``.
-      phases: if given, receives the seconds of each phase ("reposition", "check_layers",
-        "row_layers", "logits_write"), waiting for each to finish before the next starts.
+      phases: if given, receives the seconds of each phase ("check_layers", "row_layers",
+        "logits"), waiting for each to finish before the next starts.
+      fetch: see ``LayerFetch``; None = every reused page is already on the device.
+      timeline: records when each layer's computation ran.
 
     Returns:
       (logits [plan.num_logits, V] float32 of the last prompt tokens, the pool, recomputed
@@ -406,34 +485,50 @@ def blend_prefill(
         raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of tokens_per_block={layout.tokens_per_block}")
     clock = _PhaseClock(phases)
     inputs = jax.device_put(inputs)
-    seq_k, seq_v = prepare(pool, inputs, cfg=cfg, layout=layout)
-    clock.lap("reposition", seq_k)
+    k_pages, v_pages = list(pool.k), list(pool.v)
+
+    def fetched(layer: int) -> None:
+        if fetch is not None:
+            k_pages[layer], v_pages[layer] = fetch(layer, k_pages[layer], v_pages[layer])
+
     first = plan.checks[-1][0] + 1 if plan.checks else 0
     options = dict(cfg=cfg, layout=layout, num_probes=plan.num_probes, attn_impl=attn_impl)
-    if first:
-        rows, head_k, head_v, masks, probes, features = _check_phase(
-            params, seq_k[:first], seq_v[:first], inputs, checks=plan.checks, score=plan.score, **options
-        )
-    else:
-        rows, head_k, head_v, masks, probes = initial_rows_jit(params, cfg=cfg, inputs=inputs), (), (), [], []
-        features = jnp.zeros((inputs.tokens.shape[0], len(FEATURES)), jnp.float32)
-    clock.lap("check_layers", rows.x)
-    seq_k, seq_v = list(head_k) + list(seq_k[first:]), list(head_v) + list(seq_v[first:])
-    for layer in range(first, cfg.num_layers):
-        rows, seq_k[layer], seq_v[layer], mask, attn = layer_step(
-            params.layers[layer], rows, seq_k[layer], seq_v[layer], inputs,
-            layer=representative_layer(cfg, layout, layer), **options,
-        )
-        masks.append(mask)
-        if attn is not None:
-            probes.append(attn)
+    try:
+        fused: list[tuple[jax.Array, jax.Array]] = []
+        if first:
+            for layer in range(first):
+                fetched(layer)
+            rows, k_pages[:first], v_pages[:first], masks, probes, features, fused = _check_phase(
+                params, tuple(k_pages[:first]), tuple(v_pages[:first]), inputs, checks=plan.checks, score=plan.score, **options
+            )
+            fused = list(fused)
+            if timeline is not None:
+                timeline.dispatched((0, first), rows.x)
+        else:
+            rows, masks, probes = initial_rows_jit(params, cfg=cfg, inputs=inputs), [], []
+            features = jnp.zeros((inputs.tokens.shape[0], len(FEATURES)), jnp.float32)
+        clock.lap("check_layers", rows.x)
+        for layer in range(first, cfg.num_layers):
+            fetched(layer)
+            rows, k_pages[layer], v_pages[layer], mask, trace = layer_step(
+                params.layers[layer], rows, k_pages[layer], v_pages[layer], inputs,
+                layer=representative_layer(cfg, layout, layer), **options,
+            )
+            if timeline is not None:
+                timeline.dispatched((layer, layer + 1), rows.x)
+            masks.append(mask)
+            if trace is not None:
+                probes.append(trace[0])
+                fused.append(trace[1:])
+    except Exception as err:
+        raise PrefillInterrupted(PagePool(k=tuple(k_pages), v=tuple(v_pages))) from err
     clock.lap("row_layers", rows.x)
     logits = last_logits_jit(params, cfg=cfg, rows=rows, positions=inputs.positions, num=plan.num_logits)
-    pool = write_fused(pool, tuple(seq_k), tuple(seq_v), inputs, layout=layout)
-    clock.lap("logits_write", (logits, pool))
+    pool = PagePool(k=tuple(k_pages), v=tuple(v_pages))
+    clock.lap("logits", (logits, pool))
     recomputed = jnp.stack(masks)
     out = None
     if plan.num_probes:
-        out = {"attn": jnp.stack(probes), "recomputed": recomputed, "k": jnp.stack(seq_k), "v": jnp.stack(seq_v),
-               "features": features}
+        out = {"attn": jnp.stack(probes), "recomputed": recomputed, "k": jnp.stack([k for k, _ in fused]),
+               "v": jnp.stack([v for _, v in fused]), "features": features}
     return logits, pool, recomputed, out

@@ -13,7 +13,7 @@ from kvjax.cache.pool import (
     write_layer,
     write_pages,
 )
-from kvjax.cache.host_pool import HostPages, HostPool, load_host_pages, store_host_pages
+from kvjax.cache.host_pool import HostPages, HostPool, TierThrottle, load_host_pages, store_host_pages
 from kvjax.cache.quant import QUANTIZED_DTYPES, SCALE_GRANULARITIES, QuantizedPages, dequantize_pages
 from kvjax.cache.sizing import CacheSize, choose_cache_size, free_device_memory, require_fits
 
@@ -28,6 +28,7 @@ __all__ = [
     "QUANTIZED_DTYPES",
     "QuantizedPages",
     "SCALE_GRANULARITIES",
+    "TierThrottle",
     "choose_cache_size",
     "copy_pages",
     "dequantize_pages",

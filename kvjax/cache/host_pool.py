@@ -10,15 +10,22 @@ scale_slots, num_kv_heads] float32 scales; the host pool stores them so.
 The tiers are written in place by their owner: they are the big, slow memory (a copy per
 offload would cost the whole tier), and the disk tier is a file. The device pool stays a
 pytree updated by pure functions (``kvjax.cache.pool``).
+
+A tier's reads can be slowed down to emulate slower storage (``TierThrottle``: NVMe, SSD or
+network storage on a machine whose page cache makes the disk tier memory-speed). This is an
+emulation: the bytes are copied at this machine's speed, then the read sleeps until it has
+lasted ``latency + bytes / bandwidth``, using no CPU while it waits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import shutil
 import tempfile
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 import jax
@@ -34,6 +41,41 @@ HostPages = np.ndarray | QuantizedPages
 TierName = Literal["host", "disk"]
 
 
+@dataclasses.dataclass(frozen=True)
+class TierThrottle:
+    """Emulated read speed of a tier.
+
+    Attributes:
+      read_gbps: bandwidth in GB/s (1e9 bytes per second); 0 = no bandwidth limit.
+      latency_ms: added to every read, in milliseconds.
+    """
+
+    read_gbps: float = 0.0
+    latency_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("read_gbps", "latency_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < float("inf")):
+                raise ValueError(f"TierThrottle.{name}={value!r} must be a finite number >= 0")
+
+    @property
+    def active(self) -> bool:
+        return self.read_gbps > 0 or self.latency_ms > 0
+
+    def seconds(self, num_bytes: int) -> float:
+        """Emulated duration of one read of ``num_bytes`` bytes."""
+        return self.latency_ms * 1e-3 + (num_bytes / (self.read_gbps * 1e9) if self.read_gbps else 0.0)
+
+    def wait(self, start: float, num_bytes: int) -> None:
+        """Sleeps until a read of ``num_bytes`` that began at ``start`` (``time.perf_counter``)
+        has lasted ``seconds(num_bytes)``."""
+        if self.active:
+            left = start + self.seconds(num_bytes) - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+
+
 def store_host_pages(host: HostPages, slots: np.ndarray, kv: HostPages) -> None:
     """Writes the first ``len(slots)`` pages of ``kv`` (``read_pages`` output, on the host) into
     pool slots ``slots``, in place (values and scales alike)."""
@@ -41,10 +83,13 @@ def store_host_pages(host: HostPages, slots: np.ndarray, kv: HostPages) -> None:
         h[:, :, slots] = a[:, :, : len(slots)]
 
 
-def load_host_pages(host: HostPages, slots: np.ndarray, num_pages: int) -> HostPages:
-    """Pool slots ``slots`` as ``write_pages`` input, zero-padded to ``num_pages`` pages."""
+def load_host_pages(host: HostPages, slots: np.ndarray, num_pages: int, layer: int | None = None) -> HostPages:
+    """Pool slots ``slots`` as ``write_pages`` input, zero-padded to ``num_pages`` pages; with
+    ``layer``, only that layer of the group (``[2, 1, num_pages, ...]``)."""
+    layers = slice(None) if layer is None else slice(layer, layer + 1)
 
     def take(h: np.ndarray) -> np.ndarray:
+        h = h[:, layers]
         out = np.zeros((*h.shape[:2], num_pages, *h.shape[3:]), h.dtype)
         out[:, :, : len(slots)] = h[:, :, slots]
         return out
@@ -59,14 +104,21 @@ class HostPool:
       layout: the cache geometry (``num_host_pages`` and ``num_disk_pages`` per group).
       disk_dir: parent folder of the disk tier's page files (None: the system temp dir); the
         files go into a new folder there, removed when this object is collected.
+      throttles: per tier ("host", "disk"), the emulated read speed of ``load``; absent = unthrottled.
 
     Raises:
       ValueError: the disk tier does not fit the free space of ``disk_dir``, or ``disk_dir``
         is not a folder that can be created and written.
     """
 
-    def __init__(self, layout: CacheLayout, disk_dir: str | pathlib.Path | None = None) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        disk_dir: str | pathlib.Path | None = None,
+        throttles: Mapping[TierName, TierThrottle] | None = None,
+    ) -> None:
         self.layout = layout
+        self.throttles: dict[TierName, TierThrottle] = {"host": TierThrottle(), "disk": TierThrottle(), **(throttles or {})}
         groups = range(layout.num_groups)
         self.host: tuple[HostPages, ...] = (
             tuple(layout.host_zeros(g, layout.num_host_pages) for g in groups) if layout.num_host_pages else ()
@@ -94,15 +146,25 @@ class HostPool:
         else:
             store_host_pages(self._host(tier)[group], slots, kv)
 
-    def load(self, tier: TierName, group: int, slots: np.ndarray, num_pages: int) -> HostPages:
-        """``slots`` of ``group``'s pool on ``tier``, zero-padded to ``num_pages`` pages (a copy).
+    def load(self, tier: TierName, group: int, slots: np.ndarray, num_pages: int, layer: int | None = None) -> HostPages:
+        """``slots`` of ``group``'s pool on ``tier``, zero-padded to ``num_pages`` pages (a copy),
+        as fast as the tier's throttle allows (one read).
+
+        Args:
+          layer: only this layer of the group (its index among the group's layers), as
+            ``[2, 1, num_pages, ...]``; None = every layer.
 
         Raises:
           LostPageError: a disk page that did not pass ``check_disk`` in this step.
         """
+        start = time.perf_counter()
         if tier == "disk":
-            return self.disk[group].read(slots, num_pages)
-        return load_host_pages(self._host(tier)[group], slots, num_pages)
+            pages = self.disk[group].read(slots, num_pages, layer)
+        else:
+            pages = load_host_pages(self._host(tier)[group], slots, num_pages, layer)
+        num_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(pages)) * len(slots) // max(num_pages, 1)
+        self.throttles[tier].wait(start, num_bytes)
+        return pages
 
     def check_disk(self, group: int, page: int) -> bool:
         """Whether disk page ``page`` of ``group`` is intact (the manager asks before it reuses

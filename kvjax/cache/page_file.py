@@ -72,17 +72,19 @@ class PageFile:
         """Page ``i`` of ``kv`` (host-pages layout) as one record."""
         return b"".join(np.ascontiguousarray(leaf[:, :, i]).tobytes() for leaf in jax.tree.leaves(kv))
 
-    def _pages(self, records: list[bytes | None], num_pages: int) -> object:
-        """Records as host pages [2, L, num_pages, ...] (missing records and the padding zero)."""
-        out = [np.zeros((*shape[:2], num_pages, *shape[2:]), dtype) for shape, dtype in self._parts]
+    def _pages(self, records: list[bytes | None], num_pages: int, layer: int | None = None) -> object:
+        """Records as host pages [2, L, num_pages, ...] (missing records and the padding zero);
+        with ``layer``, only that layer of the group, [2, 1, num_pages, ...]."""
+        layers = slice(None) if layer is None else slice(layer, layer + 1)
+        out = [np.zeros((shape[0], len(range(shape[1])[layers]), num_pages, *shape[2:]), dtype) for shape, dtype in self._parts]
         for i, record in enumerate(records):
             if record is None:
                 continue
             offset = 0
             for leaf, (shape, dtype) in zip(out, self._parts):
-                size = int(np.prod(shape)) * dtype.itemsize
-                leaf[:, :, i] = np.frombuffer(record, dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
-                offset += size
+                count = int(np.prod(shape))
+                leaf[:, :, i] = np.frombuffer(record, dtype, count=count, offset=offset).reshape(shape)[:, layers]
+                offset += count * dtype.itemsize
         return jax.tree.unflatten(jax.tree.structure(self._template), out)
 
     def _read_verified(self, page: int) -> bytes | None:
@@ -126,9 +128,10 @@ class PageFile:
         self._checked[page] = record
         return True
 
-    def read(self, slots: np.ndarray, num_pages: int) -> object:
-        """Pages ``slots`` as host pages, zero-padded to ``num_pages`` pages; each must have
-        passed ``check`` in this step (or pass it now).
+    def read(self, slots: np.ndarray, num_pages: int, layer: int | None = None) -> object:
+        """Pages ``slots`` as host pages, zero-padded to ``num_pages`` pages (with ``layer``,
+        only that layer of the group); each must have passed ``check`` in this step (or pass
+        it now).
 
         Raises:
           LostPageError: a page is damaged (it changed after the manager matched it).
@@ -138,7 +141,7 @@ class PageFile:
             if not self.check(page):
                 raise LostPageError(f"disk page {page} of {str(self.path)!r} changed after it was checked")
             records.append(self._checked[page])
-        return self._pages(records, num_pages)
+        return self._pages(records, num_pages, layer)
 
     def end_step(self) -> None:
         """Forgets the records kept by ``check`` (the step's onboards have read them)."""

@@ -145,12 +145,21 @@ def write_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.A
     return PagePool(k=tuple(k), v=tuple(v))
 
 
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def write_layer_pages(k_pages: Pages, v_pages: Pages, page_ids: jax.Array, kv: Pages) -> tuple[Pages, Pages]:
+    """Writes one layer of whole pages (``kv`` as ``read_pages`` returns it for a one-layer
+    group: [2, 1, len(page_ids), ...]) into ``page_ids`` of that layer's K and V pages."""
+    k = jax.tree.map(lambda a, new: a.at[page_ids].set(new[0, 0].astype(a.dtype)), k_pages, kv)
+    v = jax.tree.map(lambda a, new: a.at[page_ids].set(new[1, 0].astype(a.dtype)), v_pages, kv)
+    return k, v
+
+
 def sequence_slots(
     tables: Sequence[Sequence[int]], positions: np.ndarray, tokens: np.ndarray, num_tokens: int, tokens_per_block: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host-side slot arrays that place the KV stored at ``positions`` of a block table at
     token indices ``tokens`` of a ``num_tokens``-token sequence (the addresses
-    ``read_sequence`` reads).
+    ``kvjax.blend.fusor.read_layer`` reads).
 
     Args:
       tables: one block table (page ids) per layer group.
@@ -171,51 +180,3 @@ def sequence_slots(
     offsets[tokens] = positions % tokens_per_block
     valid[tokens] = True
     return page_ids, offsets, valid
-
-
-def read_sequence(
-    pool: PagePool, layout: CacheLayout, page_ids: jax.Array, offsets: jax.Array, valid: jax.Array
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Every layer's K and V at arbitrary slots, laid out as one contiguous sequence
-    (dequantized; zeros where ``valid`` is False). Traceable (call it inside a jitted function).
-
-    Args:
-      page_ids: [num_groups, T] int32, one row per layer group; offsets: [T] int32; valid: [T] bool
-        (``sequence_slots``).
-
-    Returns:
-      (k, v): one [T, num_kv_heads, head_dim] array per layer each.
-    """
-    mask = valid[:, None, None]
-
-    def read(pages: Pages, layer: int) -> jax.Array:
-        return jnp.where(mask, read_slots(pages, page_ids[layout.layer_group[layer]], offsets), 0)
-
-    return tuple(read(p, i) for i, p in enumerate(pool.k)), tuple(read(p, i) for i, p in enumerate(pool.v))
-
-
-def write_sequence(
-    pool: PagePool,
-    layout: CacheLayout,
-    block_tables: Sequence[jax.Array],
-    positions: jax.Array,
-    k: Sequence[jax.Array],
-    v: Sequence[jax.Array],
-) -> PagePool:
-    """Writes one sequence's K and V of every layer into its pages. Traceable.
-
-    Args:
-      block_tables: one [pages_per_seq] int32 block table per layer group.
-      positions: [T] int32 absolute positions; negative = not written.
-      k, v: one [T, num_kv_heads, head_dim] array per layer each.
-    """
-    slots = [slot_mapping(table[None], positions[None], layout.tokens_per_block) for table in block_tables]
-
-    def write(pages: Pages, values: jax.Array, layer: int) -> Pages:
-        page_ids, offsets = slots[layout.layer_group[layer]]
-        return write_layer(pages, page_ids, offsets, values[None])
-
-    return PagePool(
-        k=tuple(write(p, k[i], i) for i, p in enumerate(pool.k)),
-        v=tuple(write(p, v[i], i) for i, p in enumerate(pool.v)),
-    )

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from jax.sharding import Mesh
 
 from kvjax import attention, distributed
-from kvjax.cache import CacheLayout, HostPool, PagePool, init_pool
+from kvjax.cache import CacheLayout, HostPool, PagePool, TierThrottle, init_pool
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, SpeculativeConfig
 from kvjax.engine.device_decode import DeviceDecode
 from kvjax.engine.manager_choice import choose_manager_v2
@@ -88,7 +88,10 @@ class Engine:
             max_seq_len=self.max_seq_len, model_dtype=str(model.params.embed.dtype), hybrid=bool(cfg.recurrent_layers),
         )
         """The cache geometry (pages of every tier, page size, windows); the one owner of it."""
-        self.host_pool = HostPool(self.layout, kv_cache_config.disk_cache_dir)
+        kv = kv_cache_config
+        self.host_pool = HostPool(self.layout, kv.disk_cache_dir, throttles={
+            "host": TierThrottle(kv.host_read_gbps, kv.host_latency_ms), "disk": TierThrottle(kv.disk_read_gbps, kv.disk_latency_ms),
+        })
         """The host and disk tiers' pages; built before the manager, since it checks the disk
         tier against the free space before any structure is sized by it."""
         manager = (KVCacheManagerV2(kv_cache_config, self.layout, scheduler_config.max_batch_size)

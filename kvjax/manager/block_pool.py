@@ -330,6 +330,19 @@ class BlockPool:
         self._device_child_moved(victim, -1)
         self.emit("updated", victim)
 
+    def demote_cached(self, to_disk: bool) -> int:
+        """Moves every unreferenced cached device block down to the host tier (as eviction
+        would: dropped where the host tier cannot take it), then with ``to_disk`` every
+        unreferenced host block on to the disk tier; returns the blocks moved or dropped."""
+        moved = 0
+        while (victim := self.device_queue.pop()) is not None:
+            self._evict_device(victim)
+            moved += 1
+        while to_disk and (victim := self.host_queue.pop()) is not None:
+            self._spill(victim)
+            moved += 1
+        return moved
+
     def _subtree_postorder(self, block: Block) -> Iterator[Block]:
         """``block`` and its cached descendants, children before parents (no recursion)."""
         stack = [(block, False)]

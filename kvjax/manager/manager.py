@@ -478,6 +478,23 @@ class KVCacheManager(LayoutGeometry):
                     pool.intact(block)
         return before - sum(len(pool.tree.blocks) for pool in self.pools)
 
+    def demote_cached(self, tier: str) -> int:
+        """Moves every unreferenced cached block of the device tier down to ``tier`` ("host",
+        or "disk": through the host tier), as eviction would move it; the page operations are
+        queued like any others. Blocks a tier cannot take are dropped. Returns the blocks
+        moved or dropped (all groups).
+
+        Raises:
+          ValueError: ``tier`` is not "host" or "disk", or the engine has no such tier.
+        """
+        have = {"host": self.num_host_pages, "disk": self.num_disk_pages}
+        if tier not in have or not have[tier]:
+            raise ValueError(
+                f"tier={tier!r} must be 'host' or 'disk', a tier of this cache (pages: host {have['host']}, "
+                f"disk {have['disk']}; kv_cache_config.host_cache_size / disk_cache_size)"
+            )
+        return sum(pool.demote_cached(to_disk=tier == "disk") for pool in self.pools)
+
     def clear_cache(self) -> None:
         """Forgets every cached block (event "all_cleared" per group); no request may be active."""
         if self._sequences:

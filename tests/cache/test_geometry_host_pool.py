@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, QuantizedPages, init_pool, read_pages
-from kvjax.cache.pool import read_sequence, sequence_slots, write_sequence
+from kvjax.cache.pool import read_slots, sequence_slots, slot_mapping, write_layer
 from kvjax.config import KvCacheConfig
 
 
@@ -99,9 +99,10 @@ def test_sequence_slots_read_and_write_round_trip():
     k = [jnp.asarray(rng.normal(size=(12, 2, 8)), jnp.float32) for _ in range(lay.num_layers)]
     v = [jnp.asarray(rng.normal(size=(12, 2, 8)), jnp.float32) for _ in range(lay.num_layers)]
     written = jnp.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, -1, -1], jnp.int32)
-    pool = write_sequence(init_pool(lay), lay, [jnp.asarray(t, jnp.int32) for t in tables], written, k, v)
-    got_k, got_v = read_sequence(pool, lay, jnp.asarray(page_ids), jnp.asarray(offsets), jnp.asarray(valid))
-    for layer in range(lay.num_layers):
-        for got, want in ((got_k[layer], k[layer]), (got_v[layer], v[layer])):
-            np.testing.assert_array_equal(np.asarray(got)[[0, 2, 3]], np.asarray(want)[positions])
-            assert not np.asarray(got)[[1, 4]].any()
+    pool = init_pool(lay)
+    for layer in range(lay.num_layers):  # each layer's sequence written through its group's block table
+        table = jnp.asarray(tables[lay.layer_group[layer]], jnp.int32)[None]
+        ids, offs = slot_mapping(table, written[None], lay.tokens_per_block)
+        for pages, values in ((pool.k[layer], k[layer]), (pool.v[layer], v[layer])):
+            got = np.asarray(read_slots(write_layer(pages, ids, offs, values[None]), page_ids[lay.layer_group[layer]], offsets))
+            np.testing.assert_array_equal(got[[0, 2, 3]], np.asarray(values)[positions])
