@@ -47,7 +47,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     config.store = ml_collections.ConfigDict()
     config.store.variant = "system"  # chunk KV computed at: pos0 | bos | system (behind the system prompt)
-    config.store.tier = "hbm"  # controller tier the chunks wait in ("auto" ratio): hbm | host | nvme | disk
+    config.store.tier = "device"  # controller tier the chunks wait in ("auto" ratio): device | host | disk
     config.store.cache_tokens = 32768  # engine cache size (tokens): chunks, prefixes and the runs of the answers decoded together
 
     config.policy = ml_collections.ConfigDict()
@@ -89,9 +89,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     config.controller = ml_collections.ConfigDict()
     config.controller.min_ratio = 0.15  # quality floor of the recompute ratio
-    config.controller.hbm_gbps = 2000.0  # assumed HBM bandwidth (GB/s) for the cost table
-    config.controller.nvme_gbps = 3.0  # assumed NVMe bandwidth (GB/s)
-    config.controller.nvme_latency_ms = 0.1  # assumed NVMe latency per layer read (ms)
+    config.controller.host_read_gbps = 0.0  # emulated host-tier read bandwidth (GB/s) the controller measures through; 0 = this machine's
+    config.controller.host_latency_ms = 0.0  # emulated host-tier latency per layer read (ms)
+    config.controller.disk_read_gbps = 0.0  # emulated disk-tier read bandwidth (GB/s); 0 = this machine's (page cache)
+    config.controller.disk_latency_ms = 0.0  # emulated disk-tier latency per layer read (ms)
 
     if preset == "niah":
         config.workload.name = "needle_haystack"

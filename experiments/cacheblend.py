@@ -31,7 +31,6 @@ from experiments import cacheblend_report, report
 from experiments.policies import POLICIES, policy
 from experiments.timing import compile_counter
 from kvjax import metrics
-from kvjax.blend.blender import FULL_RECOMPUTE
 
 RECORDS = "per_prompt.jsonl"
 """One JSON line per scored prompt: {"index", "num_tokens", "runs": {key: metrics}, "time": {...}, ...}."""
@@ -88,14 +87,12 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     compile_start = dataclasses.replace(compiles)
     records, state = _resume(workdir, config)
     setup = ev.build(config)
-    prompts, cfg = setup.prompts, setup.model.config
+    prompts = setup.prompts
     n_mean = float(np.mean([p.roles.num_tokens for p in prompts]))
     log = ev.TimingLog()
     for chunk in prompts[0].chunks:
         setup.store.put(chunk)
-    t_profile = ev.timed(setup, prompts[0], FULL_RECOMPUTE, log).ttft_s  # the controller's per-token cost
-    controller, tier_rows = ev.controller_table(config, setup, workdir, t_profile / (prompts[0].roles.num_tokens * cfg.num_layers),
-                                                int(n_mean))
+    controller, tier_rows = ev.controller_table(config, setup, workdir, int(n_mean))
     sel_cfg = ev.selection_config(config, _ratio(config, controller, int(n_mean)))
     if state is not None:
         weights, learned = tuple(state["weights"]), state["learned"]

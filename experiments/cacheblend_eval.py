@@ -33,6 +33,7 @@ from kvjax import metrics
 from kvjax.blend import loading_controller, scorer, selection
 from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt, Extension, PolicyRun
 from kvjax.blend.chunk_store import ChunkStore
+from kvjax.cache import TierThrottle
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.registry import Model, load_model
@@ -404,22 +405,25 @@ def train_learned(setup: Setup, config: ml_collections.ConfigDict, sel_cfg: sele
     return weights, info
 
 
-def controller_table(config: ml_collections.ConfigDict, setup: Setup, workdir: pathlib.Path, seconds_per_token_layer: float,
+def controller_table(config: ml_collections.ConfigDict, setup: Setup, workdir: pathlib.Path,
                      num_tokens: int) -> tuple[loading_controller.LoadingController, list[dict]]:
-    """The loading controller (measured host/disk, configured HBM/NVMe) and its per-tier decisions."""
-    tiers = [
-        loading_controller.configured_tier("hbm", config.controller.hbm_gbps, 0.0, 3),
-        loading_controller.measure_host_tier(),
-        loading_controller.configured_tier("nvme", config.controller.nvme_gbps, config.controller.nvme_latency_ms, 1),
-        loading_controller.measure_disk_tier(workdir),
-    ]
+    """The loading controller measured on this machine (the device tier, the host and disk tiers
+    read through ``config.controller``'s throttles, the blended layer step's recompute cost at
+    ``num_tokens`` tokens) and its per-tier decisions."""
+    c = config.controller
+    throttles = {"host": TierThrottle(c.host_read_gbps, c.host_latency_ms), "disk": TierThrottle(c.disk_read_gbps, c.disk_latency_ms)}
+    engine = setup.engine
+    cost = loading_controller.measure_recompute(engine.model.params, engine.model.config, engine.layout, num_tokens,
+                                                attn_impl=config.runtime.attn_impl)
+    tiers = [loading_controller.TierSpec("device", float("inf"), 0.0, cost_rank=2)]
+    tiers += [loading_controller.measure_tier(engine.layout, name, throttles[name], num_tokens, str(workdir)) for name in ("host", "disk")]
     controller = loading_controller.LoadingController(
-        tiers, seconds_per_token_layer, setup.engine.layout.bytes_per_token_layer, config.controller.min_ratio
+        tiers, cost.seconds_per_token_layer, engine.layout.bytes_per_token_layer, c.min_ratio, cost.fixed_s
     )
     rows = []
     for t in tiers:
         d = dataclasses.asdict(controller.decide(num_tokens, t.name))
-        rows.append({"tier": t.name, "GB_per_s": t.bandwidth / 1e9, "latency_ms": t.latency * 1e3, "measured": t.measured,
+        rows.append({"tier": t.name, "GB_per_s": t.bandwidth / 1e9, "latency_ms": t.latency * 1e3,
                      **{k: d[k] for k in ("ratio", "break_even", "load_s", "recompute_s")}})
     return controller, rows
 

@@ -182,6 +182,8 @@ class Blender:
         max_new_tokens: int = 1,
         num_probes: int = 0,
         scores: np.ndarray | None = None,
+        pipelined: bool = True,
+        timeline: bool = False,
     ) -> PolicyRun:
         """Runs one policy on ``prompt`` to completion (the engine must be otherwise idle for timing).
 
@@ -191,6 +193,7 @@ class Blender:
           max_new_tokens: greedy tokens generated after the prompt and ``feed``.
           num_probes: > 0 keeps the fusor trace (probe attention, rows, fused KV).
           scores: [L, T] true deviation for the "oracle" selector.
+          pipelined, timeline: ``ChunkReuse.pipelined`` and ``ChunkReuse.timeline``.
         """
         feed = check_token_ids(feed, "feed", self.engine.model.config.vocab_size)
         self.check_prompt(prompt, len(feed) + max_new_tokens)
@@ -207,7 +210,7 @@ class Blender:
                 scores = np.pad(scores, ((0, 0), (0, max(0, len(tokens) + self.token_bucket - scores.shape[1]))))
             reuse = ChunkReuse(
                 self.store, spans, policy, num_prompt_logits=len(feed) + 1, num_probes=num_probes, scores=scores,
-                scope=scope, token_bucket=self.token_bucket,
+                scope=scope, token_bucket=self.token_bucket, pipelined=pipelined, timeline=timeline,
             )
             rid = self.engine.submit(tokens, sampling, chunks=reuse, retention=EVALUATION_RETENTION)
             scope = reuse.salt

@@ -1,17 +1,28 @@
-"""Loading controller decisions and metric helpers."""
+"""Loading controller decisions, its measurements (tiers read through their throttles, the
+blended layer step's recompute cost, cached), and metric helpers."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 from kvjax import metrics
-from kvjax.blend.loading_controller import LoadingController, TierSpec
+from kvjax.blend.loading_controller import LoadingController, TierSpec, measure_recompute, measure_tier
+from kvjax.cache import CacheLayout, TierThrottle
+from kvjax.config import KvCacheConfig
 
 
-def controller(min_ratio=0.15):
-    tiers = [TierSpec("hbm", 1e12, 0.0, 2, False), TierSpec("host", 1e10, 1e-5, 1, False), TierSpec("disk", 1e8, 1e-4, 0, False)]
-    return LoadingController(tiers, seconds_per_token_layer=1e-6, bytes_per_token_layer=1536, min_ratio=min_ratio)
+def controller(min_ratio=0.15, fixed_s=0.0):
+    tiers = [TierSpec("hbm", 1e12, 0.0, 2), TierSpec("host", 1e10, 1e-5, 1), TierSpec("disk", 1e8, 1e-4, 0)]
+    return LoadingController(tiers, seconds_per_token_layer=1e-6, bytes_per_token_layer=1536, min_ratio=min_ratio, fixed_s=fixed_s)
+
+
+def layout_for(cfg, **kv) -> CacheLayout:
+    config = KvCacheConfig(tokens_per_block=16, max_tokens=4096, **kv)
+    return CacheLayout.for_model(config, model_windows=cfg.layer_windows, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                 max_seq_len=512, model_dtype="float32")[0]
 
 
 def test_ratio_is_max_of_floor_and_break_even():
@@ -31,6 +42,44 @@ def test_cheapest_hiding_tier():
     # at ratio 0.15 recompute is 0.3 ms per layer: host (0.32 ms) does not hide, hbm does.
     assert c.choose_tier(0.15, n) == "hbm"
     assert c.choose_tier(1.0, n) == "host"  # 2 ms hides host (0.32 ms) but not disk (30 ms)
+
+
+def test_fixed_cost_moves_the_break_even():
+    c, f = controller(), controller(fixed_s=1e-4)
+    n = 2000
+    assert f.break_even_ratio("host", n) == pytest.approx(c.break_even_ratio("host", n) - 1e-4 / (n * 1e-6))
+    assert f.recompute_time(f.break_even_ratio("host", n), n) == pytest.approx(f.load_time("host", n))
+    assert f.break_even_ratio("hbm", n) == 0.0  # a load shorter than the fixed cost is always hidden
+
+
+def test_measured_tier_follows_its_throttle(tiny):
+    cfg, _ = tiny
+    layout = layout_for(cfg)
+    for tier in ("host", "disk"):
+        spec = measure_tier(layout, tier, TierThrottle(read_gbps=0.05, latency_ms=2.0), num_tokens=256, repeats=2)
+        assert spec.bandwidth <= 0.05e9 * 1.05  # a throttled read is never faster than its emulated bandwidth
+        assert spec.bandwidth >= 0.05e9 * 0.5 and 1.5e-3 <= spec.latency <= 10e-3
+    free = measure_tier(layout, "host", TierThrottle(), num_tokens=256)
+    assert free.bandwidth > 0.05e9
+    with pytest.raises(ValueError, match="tier='device' must be 'host' or 'disk'"):
+        measure_tier(layout, "device", TierThrottle(), num_tokens=256)
+
+
+def test_recompute_cost_is_measured_once_and_cached(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
+    cfg, params = tiny
+    layout = layout_for(cfg)
+    cost = measure_recompute(params, cfg, layout, 256, rows=(16, 128), repeats=2)
+    assert cost.seconds_per_token_layer > 0 and cost.fixed_s >= 0 and cost.num_tokens == 256
+    [path] = (tmp_path / "controller").iterdir()
+    assert json.loads(path.read_text())["num_tokens"] == 256
+    assert measure_recompute(params, cfg, layout, 256, rows=(16, 128)) == cost  # read back, not re-measured
+    with pytest.raises(ValueError, match="rows=.* must hold at least two row counts"):
+        measure_recompute(params, cfg, layout, 256, rows=(512, 16))
+    controller = LoadingController.measured(params, cfg, layout_for(cfg, host_cache_size=1 << 22), {"host": TierThrottle(0.01)}, 256)
+    assert set(controller.tiers) == {"device", "host"}
+    assert controller.decide(256, "device").ratio == controller.min_ratio  # nothing to hide on the device
+    assert controller.decide(256, "host").ratio >= controller.min_ratio
 
 
 def test_controller_rejects_bad_floor():
