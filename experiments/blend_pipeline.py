@@ -152,7 +152,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         full = blender.run(prompt, FULL_RECOMPUTE)
         if timed:
             rows.append({"prompt": i, "tier": "-", "gbps": 0.0, "mode": "-", "policy": FULL_RECOMPUTE, "ratio": 1.0,
-                         "ttft_s": full.ttft_s, "kl": 0.0})
+                         "ttft_s": full.ttft_s, "kl": 0.0, "layerwise_pages": 0, "load_per_layer_s": 0.0, "compute_per_layer_s": 0.0})
         n_chunk = sum(len(c) for c in prompt.chunks)
         for cell in cells(config):
             controller = controller_for(config, engine, cost, cell[0], cell[1], n_chunk)
