@@ -56,7 +56,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.policy.budgets = (2.0, 1.5, 1.0)  # rows kept after each check, in units of the target
     config.policy.deviation = "kv"  # k | v | kv: which deviation scores tokens (cacheblend_single always uses k)
     config.policy.query_rows = 64  # last suffix rows whose attention scores tokens (query-aware, learned)
-    config.policy.row_bucket = 128  # recomputed-row capacities round up to this (fewer compiled shapes)
+    config.policy.row_bucket = 16  # recomputed-row capacities round up to this, or to 1/8 of the rows when coarser (selection.row_capacity)
 
     config.sweep = ml_collections.ConfigDict()
     config.sweep.ratios = (0.05, 0.15, 0.3, 0.5)  # quality-vs-ratio curves

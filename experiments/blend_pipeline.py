@@ -21,7 +21,7 @@ from kvjax import metrics
 from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt, PolicyRun
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.loading_controller import LoadingController, RecomputeCost, TierSpec, measure_recompute, measure_tier
-from kvjax.blend.selection import SelectionConfig, round_up
+from kvjax.blend.selection import SelectionConfig, row_capacity
 from kvjax.cache import TierThrottle
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
@@ -166,7 +166,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                              "kl": float(metrics.kl_divergence(full.logits[:1], out.logits[:1])[0]),
                              "layerwise_pages": out.report.layerwise_pages, **times})
                 if cell[0] != "device" and cell[2] == "pipelined":
-                    rows_per_layer = round_up(int(out.report.recomputed[-1].sum()), config.row_bucket)
+                    rows_per_layer = row_capacity(int(out.report.recomputed[-1].sum()), config.row_bucket)
                     validation.append({
                         "prompt": i, "tier": cell[0], "gbps": cell[1], "policy": name,
                         "load_predicted_ms": 1e3 * controller.load_time(cell[0], out.report.chunk_hit + out.report.prefix_hit),

@@ -78,7 +78,8 @@ class SelectionConfig:
       budgets: row budget after each check layer in units of the target count, non-increasing
         and ending at 1.0; the first > 1 makes the candidate set larger than the target.
       deviation: "k", "v" or "kv": which fresh-minus-reused difference scores a token.
-      row_bucket: row capacities are rounded up to a multiple of this (avoids recompiles).
+      row_bucket: row capacities are rounded up to a multiple of this, or to a coarser step
+        above 8 x row_bucket rows (``row_capacity``: fewer compiled shapes, padding < 12.5%).
       seed: the "random" selector's seed.
       query_rows: the last this many suffix rows are the queries whose attention scores
         tokens ("query_aware", "query_aware_fused", "learned"), >= 1.
@@ -223,13 +224,21 @@ def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+def row_capacity(n: int, row_bucket: int) -> int:
+    """Compiled row capacity for ``n`` recomputed rows: ``n`` rounded up to a multiple of
+    ``row_bucket``, or of the largest power of two <= n / 8 when that is coarser. Padding stays
+    below ``row_bucket`` rows or 12.5%, with at most 8 capacities per doubling of ``n``."""
+    step = max(row_bucket, 1 << max(0, max(n, 1).bit_length() - 4))
+    return round_up(n, step)
+
+
 def target_count(roles: Roles, ratio: float) -> int:
     """Chunk tokens recomputed at ``ratio`` (ceil, at most all of them)."""
     return min(roles.num_selectable, math.ceil(ratio * roles.num_selectable - 1e-9))
 
 
 def _fixed(token_ids: np.ndarray, row_bucket: int) -> Selection:
-    capacity = round_up(len(token_ids), row_bucket)
+    capacity = row_capacity(len(token_ids), row_bucket)
     rows = np.zeros(capacity, np.int32)
     rows[: len(token_ids)] = token_ids
     valid = np.arange(capacity) < len(token_ids)
@@ -313,7 +322,7 @@ def select_schedule(roles: Roles, config: SelectionConfig, padded: int, num_laye
     for layer, budget in zip(check_layers, budgets):
         count = roles.num_forced + min(roles.num_selectable, math.ceil(budget * target - 1e-9))
         counts.append(count)
-        capacity = round_up(count, config.row_bucket)
+        capacity = row_capacity(count, config.row_bucket)
         if checks:
             capacity = min(capacity, checks[-1][1])
         checks.append((layer, min(capacity, padded)))
@@ -379,7 +388,7 @@ def plan(
     counts = sel.counts + len(forced)
     checks, cap = [], padded
     for (layer, _), count in zip(sel.checks, counts):
-        cap = min(round_up(int(count), row_bucket), cap)
+        cap = min(row_capacity(int(count), row_bucket), cap)
         checks.append((layer, cap))
     return dataclasses.replace(
         sel, rows_valid=sel.rows_valid & (sel.rows >= num_cached), checks=tuple(checks), counts=counts.astype(np.int32)
