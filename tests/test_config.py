@@ -156,3 +156,16 @@ def test_selection_config_rejects(field, value, message):
 
     with pytest.raises(ConfigError, match=message):
         SelectionConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["host_read_gbps", "host_latency_ms", "disk_read_gbps", "disk_latency_ms"])
+@pytest.mark.parametrize("value", [-0.5, float("inf"), float("nan"), True, "1"])
+def test_tier_throttles_must_be_finite_numbers_at_least_zero(field, value):
+    with pytest.raises(ConfigError, match=rf"{field}=.* must be a finite number >= 0"):
+        KvCacheConfig(**{field: value})
+
+
+def test_tier_throttles_are_config_fields():
+    kv = KvCacheConfig(host_read_gbps=12.5, host_latency_ms=0, disk_read_gbps=2, disk_latency_ms=0.1)
+    assert (kv.host_read_gbps, kv.host_latency_ms, kv.disk_read_gbps, kv.disk_latency_ms) == (12.5, 0, 2, 0.1)
+    assert load_llm_config({"kv_cache_config": {"disk_read_gbps": 3.0}})[0].disk_read_gbps == 3.0

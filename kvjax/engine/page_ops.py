@@ -37,9 +37,9 @@ def apply_page_ops(pool: PagePool, layout: CacheLayout, host_pool: HostPool, ops
 def split_layerwise(ops: list[PageOp]) -> tuple[list[PageOp], list[PageOp]]:
     """Splits queued ops into (ops to run now, in order; onboards that may run afterwards,
     layer by layer). An onboard stays in order when a later op overwrites its source page
-    (an offload or spill into the tier slot it freed) or reads its destination page (a copy
-    or offload from it); running the others after every queued op changes nothing, since no
-    op touches their pages."""
+    (an offload or spill into the tier slot it freed), reads its destination page (a copy
+    or offload from it) or writes that page again (a copy or onboard into it); running the
+    others after every queued op changes nothing, since no later op touches their pages."""
     kept = set()
     for i, op in enumerate(ops):
         if op.kind not in ONBOARDS:
@@ -47,7 +47,8 @@ def split_layerwise(ops: list[PageOp]) -> tuple[list[PageOp], list[PageOp]]:
         refill = "offload" if op.kind == "onboard" else "spill"
         for later in ops[i + 1 :]:
             if later.group == op.group and ((later.kind == refill and later.dst == op.src)
-                                            or (later.kind in ("copy", "offload") and later.src == op.dst)):
+                                            or (later.kind in ("copy", "offload") and later.src == op.dst)
+                                            or (later.kind in ("copy", *ONBOARDS) and later.dst == op.dst)):
                 kept.add(i)
                 break
     now = [op for i, op in enumerate(ops) if op.kind not in ONBOARDS or i in kept]
@@ -64,7 +65,8 @@ class LayerwiseOnboard:
 
     Args:
       host_pool, layout: the tiers and the cache geometry.
-      ops: onboards from ``split_layerwise`` (their pages stay referenced until ``finish``).
+      ops: onboards from ``split_layerwise`` (their pages stay referenced until ``finish``); the
+        thread starts reading at once, so run the ops that must come first before building this.
       depth: layers loaded ahead of the consumer (host buffers in flight), >= 1.
 
     ``events`` lists every read: dicts with "layer", "tier", "pages", "bytes", "start_s",
