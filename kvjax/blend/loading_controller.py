@@ -110,7 +110,8 @@ def measure_tier(layout: CacheLayout, tier: str, throttle: TierThrottle, num_tok
     slots = np.arange(pages)
     if tier == "disk":
         pool.store("disk", 0, slots, probe.host_zeros(0, pages))
-        assert all(pool.check_disk(0, int(p)) for p in slots)
+        if not all(pool.check_disk(0, int(p)) for p in slots):
+            raise RuntimeError(f"the disk probe's pages under {disk_dir!r} did not read back as written")
     times = {n: _timed(lambda n=n: pool.load(tier, 0, slots[:n], n, layer=0), repeats) for n in (1, pages)}
     bytes_per_page = probe.bytes_per_token_layer * probe.tokens_per_block
     per_byte = max(times[pages] - times[1], 1e-12) / ((pages - 1) * bytes_per_page)
@@ -123,8 +124,8 @@ def _recompute_key(cfg: ModelConfig, layout: CacheLayout, num_tokens: int, rows:
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    except OSError:  # no /proc (not Linux): the platform's name stands for the CPU
+        cpu = cpu
     parts = (cfg.name, cfg.num_layers, cfg.d_model, layout.layer_windows, layout.tokens_per_block, layout.num_kv_heads,
              layout.head_dim, layout.dtype, num_tokens, tuple(rows), attn_impl, jax.__version__, jax.default_backend(),
              jax.device_count(), cpu)
