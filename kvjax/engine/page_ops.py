@@ -69,7 +69,7 @@ class LayerwiseOnboard:
         thread starts reading at once, so run the ops that must come first before building this.
       depth: layers loaded ahead of the consumer (host buffers in flight), >= 1.
 
-    ``events`` lists every read: dicts with "layer", "tier", "pages", "bytes", "start_s",
+    ``error`` is the read error the loader stopped on (None while none). ``events`` lists every read: dicts with "layer", "tier", "pages", "bytes", "start_s",
     "end_s" (``time.perf_counter()`` seconds).
     """
 
@@ -78,6 +78,8 @@ class LayerwiseOnboard:
             raise ValueError(f"depth={depth!r} must be >= 1")
         self.host_pool, self.layout = host_pool, layout
         self.events: list[dict] = []
+        self.error: BaseException | None = None
+        """The read error the loader stopped on, if any."""
         self._runs: dict[int, list[tuple[str, np.ndarray, np.ndarray]]] = {}
         """Per group, (tier, source pages, destination pages padded to a power of two with the null page)."""
         for (group, kind), run in itertools.groupby(sorted(ops, key=lambda op: (op.group, op.kind)), key=lambda op: (op.group, op.kind)):
@@ -118,6 +120,7 @@ class LayerwiseOnboard:
         parts = self._buffers.get()
         if isinstance(parts, BaseException):
             self._next = self.layout.num_layers
+            self.error = parts
             raise parts
         self._next += 1
         for dst, kv in parts:
@@ -127,11 +130,16 @@ class LayerwiseOnboard:
     def finish(self, pool: PagePool) -> PagePool:
         """Fetches the layers not fetched yet (a prefill that stopped early leaves no page
         the manager thinks onboarded unwritten), waits for the loader and ends the disk tier's
-        step; returns the pool."""
+        step; returns the pool. Never raises a read error: one met here (the prefill stopped
+        before that layer, so its own error is already on its way) is kept in ``error``, and
+        the pool comes back with every layer fetched before it, so no donated page is lost."""
         k, v = list(pool.k), list(pool.v)
         while self._next < self.layout.num_layers:
             layer = self._next
-            k[layer], v[layer] = self.fetch(layer, k[layer], v[layer])
+            try:
+                k[layer], v[layer] = self.fetch(layer, k[layer], v[layer])
+            except Exception:  # kept in self.error by fetch
+                break
         self._thread.join()
         self.host_pool.end_step()
         return PagePool(k=tuple(k), v=tuple(v))

@@ -56,9 +56,11 @@ def test_measured_tier_follows_its_throttle(tiny):
     cfg, _ = tiny
     layout = layout_for(cfg)
     for tier in ("host", "disk"):
-        spec = measure_tier(layout, tier, TierThrottle(read_gbps=0.05, latency_ms=2.0), num_tokens=256, repeats=2)
-        assert spec.bandwidth <= 0.05e9 * 1.05  # a throttled read is never faster than its emulated bandwidth
-        assert spec.bandwidth >= 0.05e9 * 0.5 and 1.5e-3 <= spec.latency <= 10e-3
+        # 256 KiB a layer at 10 MB/s: 26 ms of transfer beside 2 ms of latency, so a millisecond of
+        # scheduling noise on a loaded machine moves the fitted bandwidth by a few percent only.
+        spec = measure_tier(layout, tier, TierThrottle(read_gbps=0.01, latency_ms=2.0), num_tokens=1024, repeats=3)
+        assert spec.bandwidth <= 0.01e9 * 1.1  # a throttled read is never faster than its emulated bandwidth
+        assert spec.bandwidth >= 0.01e9 * 0.5 and 1.5e-3 <= spec.latency <= 10e-3
     free = measure_tier(layout, "host", TierThrottle(), num_tokens=256)
     assert free.bandwidth > 0.05e9
     with pytest.raises(ValueError, match="tier='device' must be 'host' or 'disk'"):

@@ -203,4 +203,16 @@ def test_a_failed_read_is_raised_where_its_layer_is_fetched(tmp_path):
     with pytest.raises(LostPageError, match=r"disk page 3 of .*disk_g001\.bin"):
         loader.fetch(1, k[1], v[1])
     loader.finish(PagePool(k=tuple(k), v=tuple(v)))  # the loader has stopped: finish joins it
-    assert not loader._thread.is_alive()
+    assert not loader._thread.is_alive() and isinstance(loader.error, LostPageError)
+
+
+def test_a_read_failing_after_the_prefill_stopped_is_kept_and_the_pool_handed_back(tmp_path):
+    layout = _layout()
+    tiers = _tiers(layout, tmp_path)
+    ops = [PageOp("onboard", 0, 1, 2), PageOp("onboard_disk", 1, 3, 4)]  # disk page 3 was never written
+    want = apply_page_ops(_pool(layout), layout, tiers, ops[:1])
+    loader = LayerwiseOnboard(tiers, layout, ops)
+    pool = loader.finish(_pool(layout))  # a prefill that failed before its first layer: nothing raised over its error
+    assert isinstance(loader.error, LostPageError) and not loader._thread.is_alive()
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(pool))
+    np.testing.assert_array_equal(np.asarray(pool.k[0]), np.asarray(want.k[0]))  # layer 0 (before the failure) was onboarded
