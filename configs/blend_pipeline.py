@@ -38,6 +38,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.latency_ms = 0.05  # emulated latency of each read (one layer of one tier), ms
     config.ratios = (0.15, 0.3, 0.5)  # CacheBlend recompute ratios (fixed)
     config.min_ratio = 0.15  # the controller's quality floor ("auto")
+    config.headroom = 0.8  # the controller plans the recompute at this share of the load time ("auto"), in (0, 1]
     config.row_bucket = 16  # recomputed-row capacities round up to this, or to 1/8 of the rows when coarser
     config.token_bucket = 256  # blended prompts pad to a multiple of this
     config.tokens_per_block = 16  # page size

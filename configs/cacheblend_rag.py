@@ -89,6 +89,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     config.controller = ml_collections.ConfigDict()
     config.controller.min_ratio = 0.15  # quality floor of the recompute ratio
+    config.controller.headroom = 0.8  # the recompute is planned at this share of the tier's load time, in (0, 1]
     config.controller.host_read_gbps = 0.0  # emulated host-tier read bandwidth (GB/s) the controller measures through; 0 = this machine's
     config.controller.host_latency_ms = 0.0  # emulated host-tier latency per layer read (ms)
     config.controller.disk_read_gbps = 0.0  # emulated disk-tier read bandwidth (GB/s); 0 = this machine's (page cache)

@@ -49,12 +49,15 @@ def controller_for(config: ml_collections.ConfigDict, engine: Engine, cost: Reco
     tiers = [TierSpec("device", float("inf"), 0.0, cost_rank=2)]
     if tier != "device":
         tiers.append(measure_tier(engine.layout, tier, TierThrottle(gbps, config.latency_ms), num_tokens))
-    return LoadingController(tiers, cost.seconds_per_token_layer, engine.layout.bytes_per_token_layer, config.min_ratio, cost.fixed_s)
+    return LoadingController(tiers, cost.seconds_per_token_layer, engine.layout.bytes_per_token_layer, config.min_ratio, cost.fixed_s,
+                             config.headroom)
 
 
-def policies(config: ml_collections.ConfigDict, controller: LoadingController, tier: str, num_tokens: int) -> list[tuple[str, SelectionConfig]]:
+def policies(config: ml_collections.ConfigDict, controller: LoadingController, cell: Cell, num_tokens: int) -> list[tuple[str, SelectionConfig]]:
+    """Full reuse, CacheBlend at each fixed ratio and at the controller's ratio for the cell
+    ("auto": ``min_ratio`` when the cell onboards serially, nothing hiding the recompute)."""
     fixed = [(f"cacheblend@{r:g}", SelectionConfig(recompute_ratio=float(r), row_bucket=config.row_bucket)) for r in config.ratios]
-    auto = controller.decide(num_tokens, tier).ratio
+    auto = controller.decide(num_tokens, cell[0], overlapped=cell[2] != "serial").ratio
     return [("full_reuse", SelectionConfig(selector="none", row_bucket=config.row_bucket)), *fixed,
             ("auto", SelectionConfig(recompute_ratio=auto, row_bucket=config.row_bucket))]
 
@@ -167,7 +170,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         n_chunk = sum(len(c) for c in prompt.chunks)
         for cell in cells(config):
             controller = controller_for(config, engine, cost, cell[0], cell[1], n_chunk)
-            for name, selection in policies(config, controller, cell[0], n_chunk):
+            for name, selection in policies(config, controller, cell, n_chunk):
                 out, compiled = run_cell(engine, blender, prompt, cell, selection, config)
                 retried += bool(compiled)
                 if not timed:

@@ -418,7 +418,7 @@ def controller_table(config: ml_collections.ConfigDict, setup: Setup, workdir: p
     tiers = [loading_controller.TierSpec("device", float("inf"), 0.0, cost_rank=2)]
     tiers += [loading_controller.measure_tier(engine.layout, name, throttles[name], num_tokens, str(workdir)) for name in ("host", "disk")]
     controller = loading_controller.LoadingController(
-        tiers, cost.seconds_per_token_layer, engine.layout.bytes_per_token_layer, c.min_ratio, cost.fixed_s
+        tiers, cost.seconds_per_token_layer, engine.layout.bytes_per_token_layer, c.min_ratio, cost.fixed_s, c.headroom
     )
     rows = []
     for t in tiers:

@@ -6,10 +6,14 @@ seconds_per_token_layer``. The blended prefill overlaps the two layer by layer (
 thread onboards layer l + 1 while layer l computes: ``kvjax.engine.page_ops.LayerwiseOnboard``),
 so recompute is free while it is shorter than the load, and
 
-    ratio = max(min_ratio, break-even ratio)        break-even: recompute time = load time
+    ratio = max(min_ratio, hidden ratio)        hidden: recompute time = headroom · load time
 
-while the cheapest tier whose load still hides behind the recompute at a given ratio adds no
-delay. Both sides are measured on this machine, on first use: the tiers' per-layer reads
+(the break-even ratio, where the two are equal, at ``headroom`` = 1), while the cheapest tier
+whose load still hides behind the recompute at a given ratio (load ≤ headroom · recompute) adds
+no delay. The headroom (default 0.8) keeps the hidden side clear of the other by the
+predictions' error: planned exactly at the break-even, a layer that computes a few percent
+slower than predicted turns the whole prefill compute-bound. Without the overlap (serial
+onboarding) nothing hides and the ratio is ``min_ratio``. Both sides are measured on this machine, on first use: the tiers' per-layer reads
 through the engine's own ``HostPool`` (``measure_tier``: throttled like the engine's tiers), and
 the cost of the blended prefill's layer step at two row counts (``measure_recompute``, cached in
 the kvjax cache folder per model, geometry, machine and jax version). The device tier's load
@@ -212,10 +216,11 @@ class LoadingController:
       bytes_per_token_layer: K+V bytes of one token in one layer.
       min_ratio: quality floor of the ratio, in [0, 1].
       fixed_s: recompute time of a layer at zero rows (what every blended layer costs).
+      headroom: share of the other side's time the hidden side may fill, in (0, 1].
     """
 
     def __init__(self, tiers: Sequence[TierSpec], seconds_per_token_layer: float, bytes_per_token_layer: int,
-                 min_ratio: float = 0.15, fixed_s: float = 0.0):
+                 min_ratio: float = 0.15, fixed_s: float = 0.0, headroom: float = 0.8):
         if not tiers:
             raise ValueError("tiers must not be empty")
         if seconds_per_token_layer <= 0:
@@ -224,15 +229,18 @@ class LoadingController:
             raise ValueError(f"min_ratio={min_ratio} must lie in [0, 1]")
         if fixed_s < 0:
             raise ValueError(f"fixed_s={fixed_s} must be >= 0")
+        if not 0.0 < headroom <= 1.0:
+            raise ValueError(f"headroom={headroom} must lie in (0, 1]")
         self.tiers = {t.name: t for t in tiers}
         self.seconds_per_token_layer = seconds_per_token_layer
         self.bytes_per_token_layer = bytes_per_token_layer
         self.min_ratio = min_ratio
         self.fixed_s = fixed_s
+        self.headroom = headroom
 
     @classmethod
     def measured(cls, params: transformer.Params, cfg: ModelConfig, layout: CacheLayout, throttles: dict[str, TierThrottle],
-                 num_tokens: int, *, min_ratio: float = 0.15, disk_dir: str | None = None,
+                 num_tokens: int, *, min_ratio: float = 0.15, headroom: float = 0.8, disk_dir: str | None = None,
                  attn_impl: attention.Impl = "auto") -> "LoadingController":
         """A controller from this machine's measurements: the device tier (free), the host tier,
         and the disk tier when ``layout`` has one, each read through ``throttles``
@@ -241,7 +249,7 @@ class LoadingController:
         tiers = [TierSpec("device", float("inf"), 0.0, cost_rank=2)]
         tiers += [measure_tier(layout, name, throttles[name], num_tokens, disk_dir) for name, pages in
                   (("host", layout.num_host_pages), ("disk", layout.num_disk_pages)) if pages]
-        return cls(tiers, cost.seconds_per_token_layer, layout.bytes_per_token_layer, min_ratio, cost.fixed_s)
+        return cls(tiers, cost.seconds_per_token_layer, layout.bytes_per_token_layer, min_ratio, cost.fixed_s, headroom)
 
     def load_time(self, tier: str, num_tokens: int) -> float:
         spec = self.tiers[tier]
@@ -250,26 +258,30 @@ class LoadingController:
     def recompute_time(self, ratio: float, num_tokens: int) -> float:
         return self.fixed_s + ratio * num_tokens * self.seconds_per_token_layer
 
-    def break_even_ratio(self, tier: str, num_tokens: int) -> float:
-        return max(0.0, self.load_time(tier, num_tokens) - self.fixed_s) / (num_tokens * self.seconds_per_token_layer)
+    def break_even_ratio(self, tier: str, num_tokens: int, share: float = 1.0) -> float:
+        """Ratio whose recompute takes ``share`` of ``tier``'s load time (0 when even no rows do)."""
+        return max(0.0, share * self.load_time(tier, num_tokens) - self.fixed_s) / (num_tokens * self.seconds_per_token_layer)
 
-    def choose_ratio(self, tier: str, num_tokens: int) -> float:
-        """``max(min_ratio, break-even ratio)``, capped at 1."""
-        return min(1.0, max(self.min_ratio, self.break_even_ratio(tier, num_tokens)))
+    def choose_ratio(self, tier: str, num_tokens: int, overlapped: bool = True) -> float:
+        """``max(min_ratio, break_even_ratio(..., headroom))``, capped at 1; ``min_ratio`` when
+        the load is not ``overlapped`` with the recompute (serial onboarding)."""
+        hidden = self.break_even_ratio(tier, num_tokens, self.headroom) if overlapped else 0.0
+        return min(1.0, max(self.min_ratio, hidden))
 
     def choose_tier(self, ratio: float, num_tokens: int) -> str:
-        """The cheapest tier whose per-layer load hides behind the recompute at ``ratio``;
-        the fastest tier when none does."""
-        budget = self.recompute_time(ratio, num_tokens)
+        """The cheapest tier whose per-layer load hides behind the recompute at ``ratio`` (takes
+        at most ``headroom`` of it); the fastest tier when none does."""
+        budget = self.headroom * self.recompute_time(ratio, num_tokens)
         hidden = [t for t in self.tiers.values() if self.load_time(t.name, num_tokens) <= budget]
         if hidden:
             return min(hidden, key=lambda t: t.cost_rank).name
         return min(self.tiers.values(), key=lambda t: self.load_time(t.name, num_tokens)).name
 
-    def decide(self, num_tokens: int, tier: str | None = None) -> Decision:
-        """Ratio for ``tier`` (default: the tier chosen at ``min_ratio``), and the tier's costs."""
+    def decide(self, num_tokens: int, tier: str | None = None, overlapped: bool = True) -> Decision:
+        """Ratio for ``tier`` (default: the tier chosen at ``min_ratio``), and the tier's costs;
+        ``overlapped``: whether the tier's load runs beside the recompute (``choose_ratio``)."""
         tier = tier or self.choose_tier(self.min_ratio, num_tokens)
-        ratio = self.choose_ratio(tier, num_tokens)
+        ratio = self.choose_ratio(tier, num_tokens, overlapped)
         return Decision(
             ratio=ratio, break_even=self.break_even_ratio(tier, num_tokens), tier=tier,
             load_s=self.load_time(tier, num_tokens), recompute_s=self.recompute_time(ratio, num_tokens),

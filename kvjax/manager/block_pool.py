@@ -292,7 +292,11 @@ class BlockPool:
         block is referenced; its host page joins the free list either way."""
         disk_page = None
         if self.num_disk_pages and should_offload(victim.priority, self.offload_min_priority):
+            # Making room on the disk may drop the victim's last disk child; the reference
+            # keeps the victim (already out of the host queue) from being queued again there.
+            victim.ref_count += 1
             disk_page = self._take_lower_page(Tier.DISK)
+            victim.ref_count -= 1
         if disk_page is None:
             self._drop(victim)
             return

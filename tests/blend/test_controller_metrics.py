@@ -14,9 +14,10 @@ from kvjax.cache import CacheLayout, TierThrottle
 from kvjax.config import KvCacheConfig
 
 
-def controller(min_ratio=0.15, fixed_s=0.0):
+def controller(min_ratio=0.15, fixed_s=0.0, headroom=1.0):
     tiers = [TierSpec("hbm", 1e12, 0.0, 2), TierSpec("host", 1e10, 1e-5, 1), TierSpec("disk", 1e8, 1e-4, 0)]
-    return LoadingController(tiers, seconds_per_token_layer=1e-6, bytes_per_token_layer=1536, min_ratio=min_ratio, fixed_s=fixed_s)
+    return LoadingController(tiers, seconds_per_token_layer=1e-6, bytes_per_token_layer=1536, min_ratio=min_ratio, fixed_s=fixed_s,
+                             headroom=headroom)
 
 
 def layout_for(cfg, **kv) -> CacheLayout:
@@ -42,6 +43,20 @@ def test_cheapest_hiding_tier():
     # at ratio 0.15 recompute is 0.3 ms per layer: host (0.32 ms) does not hide, hbm does.
     assert c.choose_tier(0.15, n) == "hbm"
     assert c.choose_tier(1.0, n) == "host"  # 2 ms hides host (0.32 ms) but not disk (30 ms)
+
+
+def test_headroom_keeps_the_recompute_under_the_load_and_serial_hides_nothing():
+    exact, spare = controller(min_ratio=0.0), controller(min_ratio=0.0, headroom=0.8)
+    n = 200_000  # host load 30.7 ms a layer
+    assert spare.choose_ratio("host", n) == pytest.approx(0.8 * exact.choose_ratio("host", n))
+    assert spare.recompute_time(spare.choose_ratio("host", n), n) == pytest.approx(0.8 * spare.load_time("host", n))
+    assert spare.decide(n, "host", overlapped=False).ratio == 0.0  # onboarded before the prefill: nothing hides
+    assert spare.decide(n, "host").break_even == pytest.approx(exact.choose_ratio("host", n))
+    ratio = 1.01 * exact.break_even_ratio("host", n)  # recompute just over the load: hides under the exact rule only
+    assert exact.choose_tier(ratio, n) == "host" and spare.choose_tier(ratio, n) == "hbm"
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=rf"headroom={bad} must lie in \(0, 1\]"):
+            controller(headroom=bad)
 
 
 def test_fixed_cost_moves_the_break_even():

@@ -235,6 +235,44 @@ class CacheMachine(RuleBasedStateMachine):
             assert seq.stats.reused_tokens < max(seq.stats.prompt_tokens, 1)
 
 
+class _Draws:
+    """Stands in for hypothesis' ``data`` in a replayed example: draws come from a list."""
+
+    def __init__(self, *values) -> None:
+        self.values = list(values)
+
+    def draw(self, _strategy):
+        return self.values.pop(0)
+
+
+def test_spilling_a_host_block_that_drops_its_last_disk_child_queues_it_once():
+    """A host victim spilled to a full disk tier whose LRU victim is the host block's own disk
+    child: dropping the child must not queue the host block on the host tier again (it left
+    that queue; it lands on the disk tier). Found by the machine above."""
+    m = CacheMachine()
+    m.setup(windows=(MAX_LEN,), device_pages=6, host_pages=2, disk_pages=3, reuse=True, partial=False, copy=False, offload_min=0)
+    steps = [
+        ("add", dict(base=BASES[0], cut=3, suffix=[], chunk=3, priority=None)),
+        ("decode", dict(data=_Draws("r0", 1), drafts=0, token=0)),
+        ("free", dict(data=_Draws("r0"))),
+        ("add", dict(base=BASES[2], cut=8, suffix=[0, 1, 2, 3, 0, 1, 2, 3, 9], chunk=3, priority=None)),
+        ("decode", dict(data=_Draws("r1", 3), drafts=2, token=0)),
+        ("free", dict(data=_Draws("r1"))),
+        ("add", dict(base=BASES[0], cut=8, suffix=[], chunk=3, priority=10)),
+        ("free", dict(data=_Draws("r2"))),
+        ("add", dict(base=BASES[0], cut=1, suffix=[], chunk=None, priority=None)),
+        ("add", dict(base=BASES[0], cut=1, suffix=[0, 1, 2, 3], chunk=None, priority=None)),
+        ("allocate", dict(data=_Draws("r3"), extra=8)),
+    ]
+    for name, kwargs in steps:
+        if name == "add":
+            kwargs = dict(salt=None, duration=None, **kwargs)
+        getattr(m, name)(**kwargs)
+        m.bookkeeping_is_consistent()
+        m.cached_blocks_hold_their_prefix_kv()
+        m.held_pages_hold_the_requests_kv()
+
+
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(
     max_examples=150,
