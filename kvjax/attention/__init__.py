@@ -2,7 +2,10 @@
 
 ``impl``:
   "auto"       the TPU kernel on TPU, the GPU kernel on GPU, the blocked XLA implementation
-               elsewhere (CPU).
+               elsewhere (CPU). On a Hopper GPU, decode runs the Mosaic GPU kernel
+               (``pallas_kernels/paged_attention/mosaic_gpu.py``) when it takes the pages
+               (bf16 / f16, ``tokens_per_block`` a multiple of 8, ``head_dim`` a multiple of 16, float
+               pages) and the installed jax has its API; the Triton kernel otherwise.
   "blocked"    the blocked, flash-style XLA implementation
                (``kvjax/attention/blocked.py``): online softmax over key
                blocks, work proportional to the sequence's length.
@@ -46,6 +49,7 @@ from jax.sharding import Mesh, PartitionSpec
 from kvjax.cache.quant import QuantizedPages
 
 from pallas_kernels.paged_attention import gpu as paged_gpu
+from pallas_kernels.paged_attention import mosaic_gpu as paged_mosaic_gpu
 from kvjax.attention import blocked
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
@@ -132,9 +136,30 @@ def _attend(
 
         return _over_mesh(local, mesh, q, k_pages, v_pages, lengths, page_indices, *rest)
     args = (q, *rest, k_pages, v_pages, lengths, page_indices)
+    implementation = _IMPLEMENTATIONS[op][kernel]
     if kernel in ("tpu", "gpu"):
         options["interpret"] = interpret
-    return _IMPLEMENTATIONS[op][kernel](*args, **options, **scales)
+    if op == "paged" and kernel == "gpu" and interpret is False:
+        implementation = paged_gpu_kernel(q, k_pages, quantized=bool(scales))
+    return implementation(*args, **options, **scales)
+
+
+def paged_gpu_kernel(q: jax.Array, k_pages: jax.Array, *, quantized: bool) -> Callable[..., jax.Array]:
+    """The compiled GPU decode kernel for these arguments: Mosaic GPU on a Hopper GPU whose jax
+    has its API, when it takes the pages' dtype and sizes (``mosaic_gpu.supports``); Triton otherwise.
+
+    Args:
+      q: [num_seqs, num_heads, head_dim] decode queries.
+      k_pages: [num_pages, tokens_per_block, num_kv_heads, head_dim] page values.
+      quantized: the pages come with scales (int8 / fp8; Triton only).
+    """
+    _, tokens_per_block, num_kv_heads, head_dim = k_pages.shape
+    group = q.shape[-2] // num_kv_heads
+    if paged_mosaic_gpu.available() and paged_mosaic_gpu.supports(
+        k_pages.dtype, tokens_per_block, head_dim, group, quantized
+    ):
+        return paged_mosaic_gpu.paged_attention
+    return paged_gpu.paged_attention
 
 
 def partial_attention(

@@ -1,4 +1,12 @@
-"""Paged decode kernels (TPU and GPU, in interpret mode) against the XLA reference."""
+"""Paged decode kernels (TPU, Triton GPU and Mosaic GPU, in interpret mode) against the XLA reference.
+
+The Mosaic GPU kernel takes bf16 / f16 pages of a multiple of 8 tokens only
+(``mosaic_gpu.check_mosaic_shapes``): it skips the grid's other cases and runs the shared
+window, soft-cap and jit cases at ``GEOMETRY["mosaic_gpu"]``. Under the GPU interpreter its
+two products are ``jnp.dot`` of the SMEM tiles (the interpreter has no ``layout_cast`` and
+runs wgmma only on untransposed SMEM operands); ``test_mosaic_gpu_lowers_for_cuda`` lowers
+the wgmma form for CUDA on CPU and ``test_mosaic_gpu_on_hopper`` runs it on a Hopper GPU.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +18,18 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax import attention
 from kvjax.testing.paged_inputs import assert_close, make_inputs
-from pallas_kernels.paged_attention import gpu, tpu
+from pallas_kernels.paged_attention import gpu, mosaic_gpu, tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 
 KERNELS = {
     "tpu": functools.partial(tpu.paged_attention, interpret=pltpu.InterpretParams()),
     "gpu": functools.partial(gpu.paged_attention, interpret=True),
+    "mosaic_gpu": functools.partial(mosaic_gpu.paged_attention, interpret=True),
 }
+GEOMETRY = {"tpu": (4, jnp.float32), "gpu": (4, jnp.float32), "mosaic_gpu": (8, jnp.bfloat16)}
+"""(tokens_per_block, dtype) of each kernel's window, soft-cap and jit cases: the smallest it takes."""
 # (num_heads, num_kv_heads): MHA, MQA, GQA with 3 and 2 heads per group, MQA with 3 heads.
 HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]
 PAGES_PER_SEQ = 4
@@ -28,7 +40,14 @@ def lengths_for(tokens_per_block: int) -> list[int]:
     return [1, tokens_per_block, tokens_per_block + 1, PAGES_PER_SEQ * tokens_per_block, 0]
 
 
+def skip_unless_taken(kernel: str, tokens_per_block: int, dtype) -> None:
+    """Skips a grid case the Mosaic GPU kernel rejects by design (f32 pages, pages of 4 tokens)."""
+    if kernel == "mosaic_gpu" and not mosaic_gpu.supports(dtype, tokens_per_block, 16, 1, False):
+        pytest.skip(f"Mosaic GPU takes bf16/f16 pages of 8k tokens, not {jnp.dtype(dtype).name} x {tokens_per_block}")
+
+
 def run_case(kernel: str, *, seed: int, tokens_per_block: int, heads: tuple[int, int], dtype, **options) -> None:
+    skip_unless_taken(kernel, tokens_per_block, dtype)
     num_heads, num_kv_heads = heads
     window = options.get("sliding_window")
     inputs = make_inputs(
@@ -71,23 +90,31 @@ def test_matches_reference(kernel, tokens_per_block, heads, dtype):
     ids=lambda options: "-".join(f"{key}={value}" for key, value in options.items()),
 )
 def test_window_and_soft_cap(kernel, options):
-    run_case(kernel, seed=7, tokens_per_block=4, heads=(6, 3), dtype=jnp.float32, **options)
+    tokens_per_block, dtype = GEOMETRY[kernel]
+    run_case(kernel, seed=7, tokens_per_block=tokens_per_block, heads=(6, 3), dtype=dtype, **options)
 
 
-@pytest.mark.parametrize(("kernel", "tokens_per_block", "blocking"), [
-    ("tpu", 4, {"pages_per_block": 1}),
-    ("tpu", 4, {"pages_per_block": 3}),
-    ("gpu", 16, {"pages_per_block": 1, "k_splits": 4}),
-    ("gpu", 8, {"pages_per_block": 2, "k_splits": 2}),
-    ("gpu", 4, {"pages_per_block": 4, "k_splits": 1}),
-])
-def test_block_sizes(kernel, tokens_per_block, blocking):
-    run_case(kernel, seed=11, tokens_per_block=tokens_per_block, heads=(8, 1), dtype=jnp.float32, sliding_window=6, **blocking)
+@pytest.mark.parametrize(("kernel", "tokens_per_block", "dtype", "blocking"), [
+    ("tpu", 4, jnp.float32, {"pages_per_block": 1}),
+    ("tpu", 4, jnp.float32, {"pages_per_block": 3}),
+    ("gpu", 16, jnp.float32, {"pages_per_block": 1, "k_splits": 4}),
+    ("gpu", 8, jnp.float32, {"pages_per_block": 2, "k_splits": 2}),
+    ("gpu", 4, jnp.float32, {"pages_per_block": 4, "k_splits": 1}),
+    # Two blocks per split (both SMEM slots, each block's copies in flight during the one
+    # before); the last: one block, so two of the three splits are empty.
+    ("mosaic_gpu", 32, jnp.bfloat16, {"pages_per_block": 2, "k_splits": 1}),
+    ("mosaic_gpu", 64, jnp.bfloat16, {"pages_per_block": 1, "k_splits": 2}),
+    ("mosaic_gpu", 16, jnp.bfloat16, {"pages_per_block": 4, "k_splits": 3}),
+], ids=lambda value: jnp.dtype(value).name if isinstance(value, type) else None)
+def test_block_sizes(kernel, tokens_per_block, dtype, blocking):
+    run_case(kernel, seed=11, tokens_per_block=tokens_per_block, heads=(8, 1), dtype=dtype, sliding_window=6, **blocking)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_jits_inside_caller(kernel):
-    inputs = make_inputs(0, lengths=[5, 2], num_heads=4, num_kv_heads=2, tokens_per_block=4, pages_per_seq=2)
+    tokens_per_block, dtype = GEOMETRY[kernel]
+    inputs = make_inputs(0, lengths=[5, 2], num_heads=4, num_kv_heads=2, tokens_per_block=tokens_per_block,
+                         pages_per_seq=2, dtype=dtype)
     q = inputs.q[:, 0]
 
     @jax.jit
@@ -125,3 +152,85 @@ def test_rejects_bad_heads(kernel):
         KERNELS[kernel](
             inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices, sm_scale=1.0
         )
+
+
+@pytest.mark.parametrize(("geometry", "message"), [
+    ({"tokens_per_block": 8, "dtype": jnp.float32}, "page dtype=float32 must be one of"),
+    ({"tokens_per_block": 4, "dtype": jnp.bfloat16}, "tokens_per_block=4 must be a multiple of 8"),
+    ({"tokens_per_block": 8, "dtype": jnp.bfloat16, "pages_per_block": 4}, "pages_per_block=4 times tokens_per_block=8 must be a multiple of 64"),
+    ({"tokens_per_block": 8, "dtype": jnp.bfloat16, "head_dim": 24}, "head_dim=24 must be a multiple of 16"),
+    ({"tokens_per_block": 128, "dtype": jnp.bfloat16, "head_dim": 128, "pages_per_block": 2},
+     "need 311808 bytes of shared memory, more than 232448"),
+])
+def test_mosaic_gpu_rejects_what_hopper_cannot_run(geometry, message):
+    pages_per_block = geometry.pop("pages_per_block", None)
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, pages_per_seq=2, **geometry)
+    with pytest.raises(ValueError, match=message):
+        mosaic_gpu.paged_attention(
+            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
+            sm_scale=1.0, pages_per_block=pages_per_block, interpret=True,
+        )
+
+
+def test_mosaic_gpu_rejects_quantized_pages():
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=8, pages_per_seq=2)
+    pages = inputs.k_pages.astype(jnp.int8)
+    scales = jnp.ones(pages.shape[:3], jnp.float32)
+    with pytest.raises(ValueError, match="quantized pages"):
+        mosaic_gpu.paged_attention(
+            inputs.q[:, 0], pages, pages, inputs.lengths, inputs.page_indices,
+            sm_scale=1.0, k_scales=scales, v_scales=scales, interpret=True,
+        )
+
+
+@pytest.mark.parametrize(("tokens_per_block", "head_dim", "heads", "dtype", "options"), [
+    (8, 16, (8, 8), jnp.bfloat16, {}),
+    (16, 128, (8, 1), jnp.float16, {"k_splits": 2}),
+    (64, 64, (6, 3), jnp.bfloat16, {"pages_per_block": 2, "sliding_window": 5, "logit_soft_cap": 2.0}),
+    (16, 128, (128, 1), jnp.bfloat16, {}),
+])
+def test_mosaic_gpu_lowers_for_cuda(tokens_per_block, head_dim, heads, dtype, options):
+    """The compiled form (wgmma, layout hints, TMA page copies) passes Mosaic GPU's lowering,
+    which checks wgmma's operand shapes, swizzles, tiles and register layouts, with no GPU."""
+    inputs = make_inputs(0, lengths=[1, 9, 4 * tokens_per_block], num_heads=heads[0], num_kv_heads=heads[1],
+                         tokens_per_block=tokens_per_block, pages_per_seq=4, head_dim=head_dim, dtype=dtype)
+    args = (inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices)
+    decode = functools.partial(mosaic_gpu.paged_attention, sm_scale=0.125, **options)
+    lowered = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in lowered
+
+
+def test_mosaic_gpu_unavailable_on_cpu_and_dispatch_falls_back(monkeypatch):
+    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=8, pages_per_seq=2,
+                         dtype=jnp.bfloat16)
+    q, pages = inputs.q[:, 0], inputs.k_pages
+    assert mosaic_gpu.has_mosaic_gpu_api() and not mosaic_gpu.available()
+    assert attention.paged_gpu_kernel(q, pages, quantized=False) is gpu.paged_attention
+    monkeypatch.setattr(mosaic_gpu, "available", lambda: True)
+    assert attention.paged_gpu_kernel(q, pages, quantized=False) is mosaic_gpu.paged_attention
+    assert attention.paged_gpu_kernel(q, pages, quantized=True) is gpu.paged_attention
+    assert attention.paged_gpu_kernel(q, pages.astype(jnp.float32), quantized=False) is gpu.paged_attention
+    assert attention.paged_gpu_kernel(q, pages[:, :4], quantized=False) is gpu.paged_attention
+
+
+@pytest.mark.skipif(not mosaic_gpu.available(), reason="needs a Hopper GPU (sm_90) and a jax with Mosaic GPU")
+@pytest.mark.parametrize(("tokens_per_block", "head_dim", "heads", "options"), [
+    (16, 128, (8, 1), {}),
+    (16, 128, (32, 8), {"sliding_window": 40, "k_splits": 2}),
+    (64, 64, (6, 3), {"logit_soft_cap": 30.0, "pages_per_block": 2}),
+])
+def test_mosaic_gpu_on_hopper(tokens_per_block, head_dim, heads, options):
+    """The wgmma form, compiled and run: what interpret mode replaces by ``jnp.dot``."""
+    window = options.get("sliding_window")
+    inputs = make_inputs(5, lengths=[1, tokens_per_block + 1, 4 * tokens_per_block, 0], num_heads=heads[0],
+                         num_kv_heads=heads[1], tokens_per_block=tokens_per_block, pages_per_seq=4,
+                         head_dim=head_dim, dtype=jnp.bfloat16, sliding_window=window)
+    q = inputs.q[:, 0]
+    expected = paged_attention_ref(
+        q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths, inputs.page_indices, sm_scale=head_dim ** -0.5,
+        sliding_window=window, logit_soft_cap=options.get("logit_soft_cap"),
+    )
+    actual = mosaic_gpu.paged_attention(
+        q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices, sm_scale=head_dim ** -0.5, **options
+    )
+    assert_close(actual, expected)
