@@ -387,11 +387,11 @@ def train_learned(setup: Setup, config: ml_collections.ConfigDict, sel_cfg: sele
         for chunk in prompt.chunks:
             setup.store.put(chunk)
         n = prompt.roles.num_tokens
-        exact = setup.blender.run(prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=1).trace
-        reused = setup.blender.run(prompt, dataclasses.replace(sel_cfg, selector="none"), num_probes=1).trace
+        exact = setup.blender.run(prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=config.eval.num_probes).trace
+        reused = setup.blender.run(prompt, dataclasses.replace(sel_cfg, selector="none"), num_probes=config.eval.num_probes).trace
         devs.append(metrics.kv_deviation(np.asarray(reused["k"])[:, :n], np.asarray(reused["v"])[:, :n],
                                          np.asarray(exact["k"])[:, :n], np.asarray(exact["v"])[:, :n]))
-        features.append(np.asarray(setup.blender.run(prompt, single, num_probes=1).trace["features"])[:n])
+        features.append(np.asarray(setup.blender.run(prompt, single, num_probes=config.eval.num_probes).trace["features"])[:n])
         roles.append(prompt.roles)
     data = scorer.training_set(roles, features, devs, sel_cfg.recompute_ratio)
     weights = scorer.train_scorer(data, hidden=config.learned.hidden, steps=config.learned.steps,

@@ -43,6 +43,7 @@ from collections.abc import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import attention
 from kvjax.blend.reposition import reposition_keys
@@ -353,7 +354,9 @@ def layer_step(
     pages (donated), runs ``blend_layer`` and writes the fused KV back into the sequence's pages.
 
     ``layer`` only fixes the RoPE base, scaling and window, so one compiled step serves every
-    layer with the same three and the same page shapes (see ``representative_layer``).
+    layer with the same three and the same page shapes (see ``representative_layer``). It
+    does not read ``inputs.rows``, ``rows_valid`` or ``counts`` (``blend_prefill`` passes them
+    empty).
 
     Returns:
       (rows, k_pages, v_pages, recomputed [T] bool, with ``num_probes`` (probe attention
@@ -364,6 +367,11 @@ def layer_step(
     k_pages, v_pages = write_layer_fused(k_pages, v_pages, seq_k, seq_v, inputs, layout=layout, layer=layer)
     trace = (_probe_attention(inputs, rows, out), seq_k, seq_v) if num_probes else None
     return rows, k_pages, v_pages, _recomputed(inputs, rows), trace
+
+
+_NO_INITIAL_ROWS = dict(rows=np.zeros(0, np.int32), rows_valid=np.zeros(0, bool), counts=np.zeros(0, np.int32))
+"""``BlendInputs`` fields ``layer_step`` does not read (the rows from layer 0 and the check
+counts), emptied for it so their shapes do not key its compiled programs."""
 
 
 def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
@@ -508,10 +516,11 @@ def blend_prefill(
             rows, masks, probes = initial_rows_jit(params, cfg=cfg, inputs=inputs), [], []
             features = jnp.zeros((inputs.tokens.shape[0], len(FEATURES)), jnp.float32)
         clock.lap("check_layers", rows.x)
+        row_inputs = jax.device_put(inputs.replace(**_NO_INITIAL_ROWS))  # one step program per row count, any schedule
         for layer in range(first, cfg.num_layers):
             fetched(layer)
             rows, k_pages[layer], v_pages[layer], mask, trace = layer_step(
-                params.layers[layer], rows, k_pages[layer], v_pages[layer], inputs,
+                params.layers[layer], rows, k_pages[layer], v_pages[layer], row_inputs,
                 layer=representative_layer(cfg, layout, layer), **options,
             )
             if timeline is not None:

@@ -350,7 +350,9 @@ def plan(
     ``forced`` token ids in every layer, and no row below ``num_cached``.
 
     Fixed selections get the forced ids as extra rows; deviation schedules keep
-    ``len(forced)`` more rows after each check (forced rows win every check).
+    ``len(forced)`` more rows after each check (forced rows win every check). A schedule's
+    row capacity after a check is ``row_capacity`` of ``budget`` times one unit (the rows kept
+    at budget 1, rounded), or of the rows kept when that is more.
 
     Args:
       roles: token roles; its chunk spans are the tokens with stored KV.
@@ -386,9 +388,14 @@ def plan(
         ids = np.unique(np.concatenate([ids[ids >= num_cached], forced])).astype(np.int32)
         return _fixed(ids, row_bucket)
     counts = sel.counts + len(forced)
+    # Capacities from one unit (the rows at budget 1, rounded) rather than from each count:
+    # a schedule's capacities then vary with a single number across prompts, so its compiled
+    # check phases repeat instead of one per combination of rounded counts.
+    _, budgets = schedule(config)
+    unit = row_capacity(roles.num_forced + len(forced) + target_count(roles, ratio), row_bucket)
     checks, cap = [], padded
-    for (layer, _), count in zip(sel.checks, counts):
-        cap = min(row_capacity(int(count), row_bucket), cap)
+    for (layer, _), count, budget in zip(sel.checks, counts, budgets):
+        cap = min(row_capacity(max(int(count), math.ceil(budget * unit)), row_bucket), cap)
         checks.append((layer, cap))
     return dataclasses.replace(
         sel, rows_valid=sel.rows_valid & (sel.rows >= num_cached), checks=tuple(checks), counts=counts.astype(np.int32)

@@ -11,7 +11,7 @@ import pytest
 from kvjax.blend import scorer
 from kvjax.blend.blender import FULL_RECOMPUTE
 from kvjax.blend.selection import (
-    FEATURES, SCHEDULE_SELECTORS, SelectionConfig, mlp_score, received_attention, target_count,
+    FEATURES, SCHEDULE_SELECTORS, Roles, SelectionConfig, mlp_score, plan, received_attention, row_capacity, target_count,
 )
 from kvjax.config import ConfigError
 from kvjax.testing.blend import make_blender, random_prompt
@@ -153,3 +153,19 @@ def test_selection_config_checks_the_scorer():
     with pytest.raises(ConfigError, match="selector="):
         SelectionConfig(selector="first_k")
     assert set(SCHEDULE_SELECTORS) == {"cacheblend", "cacheblend_single", "query_aware", "query_aware_fused", "learned"}
+
+
+def test_schedule_capacities_follow_one_unit_and_hold_every_kept_row():
+    """Check capacities are row_capacity(budget x unit), the unit the rows kept at budget 1:
+    prompts whose counts differ but round to one unit compile one check phase."""
+    config = SelectionConfig(recompute_ratio=0.15, check_layers=(1, 2, 3), budgets=(2.0, 1.5, 1.0), row_bucket=16)
+    shapes = set()
+    for suffix in (30, 35, 40):  # the suffix (forced rows) moves every count (234 to 244 at layer 1), not the unit
+        roles = Roles(num_tokens=700 + suffix, prefix_len=20, chunk_spans=((20, 700),), suffix_start=700)
+        sel = plan(roles, config, padded=1024, num_layers=30)
+        unit = row_capacity(suffix + target_count(roles, 0.15), 16)
+        assert unit == 144
+        assert [cap for _, cap in sel.checks] == [row_capacity(288, 16), row_capacity(216, 16), 144]
+        assert all(cap >= count for (_, cap), count in zip(sel.checks, sel.counts))
+        shapes.add(sel.checks)
+    assert len(shapes) == 1
