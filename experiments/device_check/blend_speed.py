@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from experiments import timing
-from experiments.device_check.engine_speed import attention_impl, make_engine
+from experiments.device_check.engine_speed import make_engine, measure_with_fallback
 from experiments.device_check.random_model import random_model
-from experiments.device_check.stages import Context, Table, error_text
+from experiments.device_check.stages import Context, Table
 from kvjax import metrics
 from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
@@ -65,18 +65,8 @@ def measure(context: Context, model: Model, attn_impl: str) -> tuple[BlendPrompt
 
 def run(context: Context) -> list[Table]:
     sizes = context.sizes
-    attn_impl, why = attention_impl(context)
     model = random_model(sizes)
-    try:
-        prompt, rows = measure(context, model, attn_impl)
-        context.record_path(f"blend, attn_impl={attn_impl!r}", None)
-    except Exception as error:  # noqa: BLE001  (the kernels failed inside the blend: measure with XLA attention)
-        context.record_path(f"blend, attn_impl={attn_impl!r}", error_text(error))
-        if attn_impl == "blocked":
-            raise
-        attn_impl, why = "blocked", f"'blocked' after {attn_impl!r} failed ({error_text(error, 120)})"
-        prompt, rows = measure(context, model, attn_impl)
-        context.record_path(f"blend, attn_impl={attn_impl!r}", None)
+    (prompt, rows), attn_impl, why = measure_with_fallback(context, "blend", lambda impl: measure(context, model, impl))
     cfg = model.config
     note = (f"{cfg.name} shapes ({cfg.num_layers} layers), random bf16 weights, attention {why}; prompt: {len(prompt.prefix)}-token "
             f"prefix, {len(prompt.chunks)} chunks of {sizes.blend_chunks[0]}, {len(prompt.suffix)}-token suffix; chunks on the "

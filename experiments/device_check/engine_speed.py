@@ -12,6 +12,8 @@ engine, the stage measures again with the blocked XLA attention and says so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,6 +29,8 @@ from kvjax.sampling import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_new_tokens=1, ignore_eos=True)
 
+T = TypeVar("T")
+
 
 def attention_impl(context: Context) -> tuple[str, str]:
     """The engine's ``attn_impl`` and why: ``sizes.attn_impl``, unless it would run a Pallas
@@ -37,6 +41,23 @@ def attention_impl(context: Context) -> tuple[str, str]:
     if wanted in ("auto", "interpret") and failed:
         return "blocked", f"{wanted!r} replaced by 'blocked': {', '.join(failed)} failed earlier"
     return wanted, f"{wanted!r}"
+
+
+def measure_with_fallback(context: Context, label: str, measure: Callable[[str], T]) -> tuple[T, str, str]:
+    """``measure(attn_impl)`` with ``attention_impl``'s choice, again with "blocked" XLA
+    attention when the kernels fail inside it; each try's outcome is recorded as the path
+    ``f"{label}, attn_impl=..."``. Returns (its result, the ``attn_impl`` that ran, why)."""
+    attn_impl, why = attention_impl(context)
+    try:
+        result = measure(attn_impl)
+    except Exception as error:  # noqa: BLE001  (the kernels failed inside the measurement: XLA attention)
+        context.record_path(f"{label}, attn_impl={attn_impl!r}", error_text(error))
+        if attn_impl == "blocked":
+            raise
+        attn_impl, why = "blocked", f"'blocked' after {attn_impl!r} failed ({error_text(error, 120)})"
+        result = measure(attn_impl)
+    context.record_path(f"{label}, attn_impl={attn_impl!r}", None)
+    return result, attn_impl, why
 
 
 def make_engine(model: Model, sizes: Sizes, attn_impl: str, max_seq_len: int) -> Engine:
@@ -103,19 +124,9 @@ def measure(context: Context, model: Model, attn_impl: str) -> tuple[list[dict],
 
 def run(context: Context) -> list[Table]:
     sizes = context.sizes
-    attn_impl, why = attention_impl(context)
     model = random_model(sizes)
     cfg = model.config
-    try:
-        ttft_rows, decode_rows = measure(context, model, attn_impl)
-        context.record_path(f"engine, attn_impl={attn_impl!r}", None)
-    except Exception as error:  # noqa: BLE001  (the kernels failed inside the engine: measure with XLA attention)
-        context.record_path(f"engine, attn_impl={attn_impl!r}", error_text(error))
-        if attn_impl == "blocked":
-            raise
-        attn_impl, why = "blocked", f"'blocked' after {attn_impl!r} failed ({error_text(error, 120)})"
-        ttft_rows, decode_rows = measure(context, model, attn_impl)
-        context.record_path(f"engine, attn_impl={attn_impl!r}", None)
+    (ttft_rows, decode_rows), attn_impl, why = measure_with_fallback(context, "engine", lambda impl: measure(context, model, impl))
     shapes = (f"{cfg.name} shapes ({cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads}/{cfg.num_kv_heads} heads "
               f"of {cfg.head_dim}, vocab {cfg.vocab_size}), random bf16 weights, bf16 KV cache of {sizes.cache_tokens} tokens, "
               f"tokens_per_block {sizes.tokens_per_block}, attention {why}")
