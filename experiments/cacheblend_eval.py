@@ -8,7 +8,8 @@ Per prompt and policy there is one prefill, timed alone with nothing compiling i
 run's scope, and two ordinary requests continue it (``Blender.extend``): the reference's
 greedy continuation of N tokens fed behind the prompt (teacher forcing: the policy's
 logits at every position along the reference) and, when the policy's top-1 leaves the
-reference inside the answer, its own greedy answer from there. The answers of all policies
+reference inside the answer, its own greedy answer from there (which ends at the stop
+token when the fed tokens already started the answer). The answers of all policies
 of a prompt decode together. The reference itself is the full-recompute request, generating
 N tokens.
 
@@ -195,9 +196,11 @@ class Reference:
       continuation: [N] its greedy tokens; logits: [N, V] their logits.
       answer_len: tokens of the greedy answer (``answer_text``), its stop token included.
       k, v: [L, T, K, d] exact KV; true_dev: [L, T] deviation of the reused KV (full reuse);
-      attn: [L, P, H*d] attention output of the probe rows.
+      attn: [L, P, H*d] attention output of the probe rows (empty when the exact KV came
+        from the request's pages).
       last_logit_error: max |difference| of the last prompt logits between the blended
-        path recomputing every token (selector "all") and the full-recompute request.
+        path recomputing every token (selector "all") and the full-recompute request (NaN
+        when that path did not run).
     """
 
     run: PolicyRun
@@ -254,29 +257,54 @@ def timed(setup: Setup, prompt: BlendPrompt, pol: selection.SelectionConfig | st
     raise RuntimeError(f"policy {pol!r} compiled {compiled.programs} programs in each of {MAX_WARMUPS} runs")
 
 
+def _answer_start(tokenizer: Tokenizer, tokens: Sequence[int], stop_ids: tuple[int, ...]) -> int:
+    """Index of the first token that is neither a stop token nor whitespace (len if none)."""
+    return next((i for i, t in enumerate(tokens) if t not in stop_ids and tokenizer.decode([int(t)]).strip()), len(tokens))
+
+
+def answer_started(tokenizer: Tokenizer, tokens: Sequence[int], stop_ids: tuple[int, ...]) -> bool:
+    """Whether ``tokens`` hold the answer's first token, so the next stop token ends it."""
+    return _answer_start(tokenizer, tokens, stop_ids) < len(tokens)
+
+
 def answer_text(tokenizer: Tokenizer, tokens: list[int], stop_ids: tuple[int, ...]) -> tuple[str, int]:
     """Decoded answer and its length in tokens (stop included): leading whitespace tokens and
     stop tokens are skipped, then the answer runs to the next stop token."""
-    start = next((i for i, t in enumerate(tokens) if t not in stop_ids and tokenizer.decode([t]).strip()), len(tokens))
+    start = _answer_start(tokenizer, tokens, stop_ids)
     end = next((i + 1 for i in range(start, len(tokens)) if tokens[i] in stop_ids), len(tokens))
     return tokenizer.decode(tokens[start:end]).strip(), end
 
 
 def reference(setup: Setup, prompt: BlendPrompt, sel_cfg: selection.SelectionConfig, config: ml_collections.ConfigDict,
-              log: TimingLog) -> Reference:
-    """Full recompute of ``prompt`` (timed, N greedy tokens), plus the exact and fully reused KV."""
+              log: TimingLog, *, detailed: bool = True) -> Reference:
+    """Full recompute of ``prompt`` (timed, N greedy tokens), plus the exact and fully reused KV.
+
+    The exact KV is the full-recompute request's own, read from its pages (``Blender.cached_kv``)
+    up to the prompt's last full block; the tokens after it (the suffix's tail, recomputed by
+    every policy) take the reused run's KV, so their deviation is 0. With ``detailed``, or
+    when a sliding window leaves no pages for the early tokens of some layers, the blended path
+    recomputing every token (selector "all") gives the exact KV instead, with the probe
+    attention and ``last_logit_error``.
+    """
     n, blender = prompt.roles.num_tokens, setup.blender
     full = timed(setup, prompt, FULL_RECOMPUTE, log, max_new_tokens=config.eval.continuation_tokens)
     continuation = np.asarray(full.tokens, np.int32)
     answer, answer_len = answer_text(setup.model.tokenizer, continuation.tolist()[: config.eval.max_answer_tokens], setup.stop_ids)
     probes = config.eval.num_probes
-    exact = blender.run(prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=probes)
+    windowed = len(setup.engine.manager.group_windows) > 1
+    cached = None if detailed or windowed else blender.cached_kv(full)
     reused = blender.run(prompt, dataclasses.replace(sel_cfg, selector="none"), num_probes=probes).trace
-    k_full, v_full = np.asarray(exact.trace["k"])[:, :n], np.asarray(exact.trace["v"])[:, :n]
-    true_dev = metrics.kv_deviation(np.asarray(reused["k"])[:, :n], np.asarray(reused["v"])[:, :n], k_full, v_full)
-    error = float(np.abs(exact.logits[0] - full.logits[0]).max())
-    return Reference(full, continuation, full.logits, answer_len, answer, k_full, v_full, true_dev,
-                     np.asarray(exact.trace["attn"]), error)
+    k_reused, v_reused = np.asarray(reused["k"])[:, :n], np.asarray(reused["v"])[:, :n]
+    if cached is None:
+        exact = blender.run(prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=probes)
+        k_full, v_full = np.asarray(exact.trace["k"])[:, :n], np.asarray(exact.trace["v"])[:, :n]
+        attn, error = np.asarray(exact.trace["attn"]), float(np.abs(exact.logits[0] - full.logits[0]).max())
+    else:
+        covered = cached[0].shape[1]
+        k_full, v_full = (np.concatenate([c, r[:, covered:]], axis=1) for c, r in zip(cached, (k_reused, v_reused)))
+        attn, error = np.zeros((0,), np.float32), float("nan")
+    true_dev = metrics.kv_deviation(k_reused, v_reused, k_full, v_full)
+    return Reference(full, continuation, full.logits, answer_len, answer, k_full, v_full, true_dev, attn, error)
 
 
 def _quality(ref: Reference, logits: np.ndarray) -> dict:
@@ -362,7 +390,9 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
                    phases={"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}}, answer=ref.answer)
         if out["first_div"] < ref.answer_len:
             div = out["first_div"]
-            pending[key] = Extension(run, tuple(ref.continuation[:div].tolist()), max_new_tokens=budget - div)
+            feed = ref.continuation[:div]
+            stop = setup.stop_ids[-1] if answer_started(tok, feed, setup.stop_ids) else None  # then a stop token ends it
+            pending[key] = Extension(run, tuple(feed.tolist()), max_new_tokens=budget - div, stop_token_id=stop)
         if detailed and "@" not in key:
             traced.append((key, pol))
         if len(pending) >= config.eval.decode_batch:

@@ -35,6 +35,7 @@ import numpy as np
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import BlendReport, ChunkReuse
 from kvjax.blend.selection import SCHEDULE_SELECTORS, Roles, SelectionConfig, schedule
+from kvjax.cache.pool import read_slots
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.engine import RequestOutput
 from kvjax.manager.hashing import check_token_ids
@@ -139,12 +140,14 @@ class Extension:
       max_new_tokens: greedy tokens generated after them.
       prompt_logits: logits kept for this many last positions of prompt + feed (teacher
         forcing: ``len(feed) + 1`` gives the logits after the prompt and after every fed token).
+      stop_token_id: generation ends after this token; None = exactly ``max_new_tokens``.
     """
 
     run: PolicyRun
     feed: tuple[int, ...] = ()
     max_new_tokens: int = 1
     prompt_logits: int = 0
+    stop_token_id: int | None = None
 
 
 class Blender:
@@ -225,8 +228,34 @@ class Blender:
         return PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=trace,
                          report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks)
 
+    def cached_kv(self, run: PolicyRun) -> tuple[np.ndarray, np.ndarray]:
+        """The KV a run left in the engine's pages for its prompt's full blocks (the tokens
+        a continuation reuses), as the engine holds it: k, v [L, covered, K, d] (quantized
+        pages dequantized), ``covered`` = the prompt's tokens up to its last full block.
+
+        Raises:
+          RuntimeError: the run's blocks were evicted (fewer tokens cached than its full blocks).
+        """
+        tokens = run.prompt.tokens.tolist()
+        lease = self.store.acquire([tokens], cache_salt=run.scope)
+        try:
+            ps = self.store.tokens_per_block
+            full = len(tokens) // ps * ps
+            if lease.covered[0] < full:
+                raise RuntimeError(
+                    f"run {run.scope!r} has {lease.covered[0]} of its prompt's {full} full-block tokens cached: its blocks "
+                    "were evicted"
+                )
+            page_ids, offsets, _ = self.store.slots(lease.tables[0], range(full), full, 0)
+            pool, groups = self.engine.pool, self.engine.layout.layer_group
+            k = np.stack([np.asarray(read_slots(pool.k[l], page_ids[g], offsets)) for l, g in enumerate(groups)])
+            v = np.stack([np.asarray(read_slots(pool.v[l], page_ids[g], offsets)) for l, g in enumerate(groups)])
+        finally:
+            self.store.release(lease)
+        return k, v
+
     def extend(self, extensions: Sequence[Extension]) -> list[RequestOutput]:
-        """Runs the extensions together (their decodes batch) and returns their outputs.
+        """Runs the extensions together (their prefills and decodes batch) and returns their outputs.
 
         Each is an ordinary request of ``run.prompt + feed`` under ``run.scope``, so the run's
         committed blocks serve its prompt; only the tokens from the last full block of the
@@ -242,7 +271,8 @@ class Blender:
         for i, ext in enumerate(extensions):
             feed = check_token_ids(ext.feed, f"extensions[{i}].feed", vocab)
             self.check_prompt(ext.run.prompt, len(feed) + ext.max_new_tokens)
-            sampling = SamplingParams(max_new_tokens=ext.max_new_tokens, ignore_eos=True, prompt_logits=ext.prompt_logits)
+            sampling = SamplingParams(max_new_tokens=ext.max_new_tokens, ignore_eos=ext.stop_token_id is None,
+                                      stop_token_id=ext.stop_token_id, prompt_logits=ext.prompt_logits)
             tokens = [*ext.run.prompt.tokens.tolist(), *feed]
             pending.append(self.engine.submit(tokens, sampling, cache_salt=ext.run.scope, retention=EVALUATION_RETENTION))
         while not all(self.engine.requests[rid].finished for rid in pending):

@@ -120,3 +120,36 @@ def test_timed_runs_again_until_nothing_compiles_and_refuses_shapes_that_never_r
     with pytest.raises(RuntimeError, match=r"compiled \d+ programs in each of 3 runs"):
         ev.timed(never, None, "full_recompute", log)
     assert log.compiles_in_timed >= 1
+
+
+@pytest.mark.real_model
+def test_reference_kv_read_from_the_full_recompute_pages_equals_the_all_rows_blended_path():
+    from configs import cacheblend_rag
+
+    config = cacheblend_rag.get_config("tiny")
+    config.workload.max_tokens, config.workload.num_distractors = 1024, 3
+    config.runtime.token_bucket, config.policies, config.sweep.policies = 1024, ("full_recompute", "full_reuse"), ()
+    setup = ev.build(config)
+    example_ = max(setup.examples, key=lambda e: len(e.prefix) + sum(map(len, e.chunks)) + len(e.suffix))
+    prompt = setup.prompts[setup.examples.index(example_)]
+    n = prompt.roles.num_tokens
+    assert n >= 512
+    for chunk in prompt.chunks:
+        setup.store.put(chunk)
+    sel = ev.selection_config(config, 0.15)
+    log = ev.TimingLog()
+    traced = ev.reference(setup, prompt, sel, config, log, detailed=True)
+    paged = ev.reference(setup, prompt, sel, config, log, detailed=False)
+    covered = n // config.runtime.tokens_per_block * config.runtime.tokens_per_block
+    assert covered >= prompt.roles.suffix_start  # every chunk token lies in a full block
+    scale = np.abs(traced.k).max()
+    assert np.abs(paged.k[:, :covered] - traced.k[:, :covered]).max() <= 1e-4 * scale
+    assert np.abs(paged.v[:, :covered] - traced.v[:, :covered]).max() <= 1e-4 * np.abs(traced.v).max()
+    selectable, _ = prompt.roles.masks(n)
+    np.testing.assert_allclose(paged.true_dev[:, selectable], traced.true_dev[:, selectable], rtol=1e-3, atol=1e-4)
+    assert (paged.true_dev[:, covered:] == 0).all()  # the suffix's tail: the reused run's KV
+    assert np.isnan(paged.last_logit_error) and traced.last_logit_error <= 1e-3
+    assert paged.answer == traced.answer and (paged.continuation == traced.continuation).all()
+    setup.engine.manager.clear_cache()
+    with pytest.raises(RuntimeError, match="were evicted"):
+        setup.blender.cached_kv(paged.run)
