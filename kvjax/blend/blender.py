@@ -150,6 +150,10 @@ class Extension:
     stop_token_id: int | None = None
 
 
+_READ_BUCKET = 256
+"""``Blender.cached_kv`` reads slots in multiples of this (padding slots read the null page)."""
+
+
 class Blender:
     """Runs prefill policies on blended prompts as requests of ``store.engine``.
 
@@ -246,10 +250,11 @@ class Blender:
                     f"run {run.scope!r} has {lease.covered[0]} of its prompt's {full} full-block tokens cached: its blocks "
                     "were evicted"
                 )
-            page_ids, offsets, _ = self.store.slots(lease.tables[0], range(full), full, 0)
+            padded = -(-full // _READ_BUCKET) * _READ_BUCKET  # a few gather shapes, not one per prompt length
+            page_ids, offsets, _ = self.store.slots(lease.tables[0], range(full), padded, 0)
             pool, groups = self.engine.pool, self.engine.layout.layer_group
-            k = np.stack([np.asarray(read_slots(pool.k[l], page_ids[g], offsets)) for l, g in enumerate(groups)])
-            v = np.stack([np.asarray(read_slots(pool.v[l], page_ids[g], offsets)) for l, g in enumerate(groups)])
+            k = np.stack([np.asarray(read_slots(pool.k[l], page_ids[g], offsets))[:full] for l, g in enumerate(groups)])
+            v = np.stack([np.asarray(read_slots(pool.v[l], page_ids[g], offsets))[:full] for l, g in enumerate(groups)])
         finally:
             self.store.release(lease)
         return k, v
