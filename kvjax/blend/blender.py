@@ -260,7 +260,7 @@ class Blender:
         return k, v
 
     def extend(self, extensions: Sequence[Extension]) -> list[RequestOutput]:
-        """Runs the extensions together (their prefills and decodes batch) and returns their outputs.
+        """Runs the extensions together (their decodes batch) and returns their outputs.
 
         Each is an ordinary request of ``run.prompt + feed`` under ``run.scope``, so the run's
         committed blocks serve its prompt; only the tokens from the last full block of the
