@@ -50,7 +50,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.store = ml_collections.ConfigDict()
     config.store.variant = "system"  # chunk KV computed at: pos0 | bos | system (behind the system prompt)
     config.store.tier = "device"  # controller tier the chunks wait in ("auto" ratio): device | host | disk
-    config.store.cache_tokens = 32768  # engine cache size (tokens): chunks, prefixes and the runs of the answers decoded together
+    config.store.cache_tokens = 16384  # engine cache size (tokens): chunks, prefixes and the runs of the answers decoded together (decode_batch x prompt tokens, with room)
 
     config.policy = ml_collections.ConfigDict()
     config.policy.recompute_ratio = "0.15"  # share of chunk tokens recomputed (selectors), or "auto": the loading controller
@@ -58,7 +58,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.policy.budgets = (2.0, 1.5, 1.0)  # rows kept after each check, in units of the target
     config.policy.deviation = "kv"  # k | v | kv: which deviation scores tokens (cacheblend_single always uses k)
     config.policy.query_rows = 64  # last suffix rows whose attention scores tokens (query-aware, learned)
-    config.policy.row_bucket = 16  # recomputed-row capacities round up to this, or to 1/8 of the rows when coarser (selection.row_capacity)
+    config.policy.row_bucket = 16  # recomputed-row capacities round up to this, or to 1/4 of the rows when coarser (selection.row_capacity)
 
     config.sweep = ml_collections.ConfigDict()
     config.sweep.ratios = (0.05, 0.15, 0.3, 0.5)  # quality-vs-ratio curves
@@ -80,7 +80,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.eval.continuation_tokens = 24  # N: teacher-forced continuation length for KL / top-1 (>= max_answer_tokens)
     config.eval.max_answer_tokens = 16  # greedy answer budget (gold scores)
     config.eval.num_probes = 16  # suffix rows traced for attention deviation
-    config.eval.detail_prompts = 2  # first prompts with per-layer KV / attention deviation (a traced run per policy)
+    config.eval.detail_prompts = 1  # first prompts with per-layer KV / attention deviation (a traced run per policy)
     config.eval.decode_batch = 8  # answers decoded together (engine max_batch_size; their runs stay cached meanwhile)
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
@@ -100,6 +100,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     if preset == "niah":
         config.workload.name = "needle_haystack"
         config.workload.max_tokens = 2048  # room for 4 needles in 256-512-token chunks
+        config.store.cache_tokens = 32768  # 8 runs of 2k-token prompts decoded together
         config.eval.continuation_tokens = 40  # room for up to 4 seven-digit values
         config.eval.max_answer_tokens = 40
     elif preset in ("paper", "paper_niah"):  # the result at scale: every prompt on the ratio sweep
@@ -111,6 +112,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         if preset == "paper_niah":
             config.workload.name = "needle_haystack"
             config.workload.max_tokens = 2048
+            config.store.cache_tokens = 32768
             config.eval.continuation_tokens = 40
             config.eval.max_answer_tokens = 40
     elif preset == "synthetic":

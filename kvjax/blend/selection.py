@@ -79,7 +79,7 @@ class SelectionConfig:
         and ending at 1.0; the first > 1 makes the candidate set larger than the target.
       deviation: "k", "v" or "kv": which fresh-minus-reused difference scores a token.
       row_bucket: row capacities are rounded up to a multiple of this, or to a coarser step
-        above 8 x row_bucket rows (``row_capacity``: fewer compiled shapes, padding < 12.5%).
+        above 4 x row_bucket rows (``row_capacity``: fewer compiled shapes, padding < 25%).
       seed: the "random" selector's seed.
       query_rows: the last this many suffix rows are the queries whose attention scores
         tokens ("query_aware", "query_aware_fused", "learned"), >= 1.
@@ -226,9 +226,11 @@ def round_up(n: int, multiple: int) -> int:
 
 def row_capacity(n: int, row_bucket: int) -> int:
     """Compiled row capacity for ``n`` recomputed rows: ``n`` rounded up to a multiple of
-    ``row_bucket``, or of the largest power of two <= n / 8 when that is coarser. Padding stays
-    below ``row_bucket`` rows or 12.5%, with at most 8 capacities per doubling of ``n``."""
-    step = max(row_bucket, 1 << max(0, max(n, 1).bit_length() - 4))
+    ``row_bucket``, or of the largest power of two <= n / 4 when that is coarser. Padding stays
+    below ``row_bucket`` rows or 25%, with at most 4 capacities per doubling of ``n`` (each
+    capacity is a compiled check phase per scoring kind, about 2 s of XLA:CPU compile for
+    SmolLM2, so a run over prompts of varied lengths compiles half as many as at 8)."""
+    step = max(row_bucket, 1 << max(0, max(n, 1).bit_length() - 3))
     return round_up(n, step)
 
 

@@ -164,8 +164,8 @@ def test_schedule_capacities_follow_one_unit_and_hold_every_kept_row():
         roles = Roles(num_tokens=700 + suffix, prefix_len=20, chunk_spans=((20, 700),), suffix_start=700)
         sel = plan(roles, config, padded=1024, num_layers=30)
         unit = row_capacity(suffix + target_count(roles, 0.15), 16)
-        assert unit == 144
-        assert [cap for _, cap in sel.checks] == [row_capacity(288, 16), row_capacity(216, 16), 144]
+        assert unit == 160
+        assert [cap for _, cap in sel.checks] == [row_capacity(320, 16), row_capacity(240, 16), 160]
         assert all(cap >= count for (_, cap), count in zip(sel.checks, sel.counts))
         shapes.add(sel.checks)
     assert len(shapes) == 1
