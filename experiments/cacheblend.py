@@ -11,16 +11,25 @@ trained first on the workload's training split.
 Each prompt's results are appended to ``per_prompt.jsonl`` in the run folder as soon as they
 are scored, so memory stays flat and a run stopped midway resumes: run the same config with
 ``--workdir`` set to its folder and the prompts already scored are read back, not run again
-(``num_prompts`` may grow). ``cacheblend_report`` writes the tables, figures and summary.
+(``num_prompts`` may grow). A run goes in pieces: ``piece.max_prompts`` / ``piece.max_minutes``
+end this process after that many prompts or minutes, each piece appends its machine (matmul
+rate, copy bandwidth), commit and time to ``pieces.jsonl``, and with ``piece.commit`` the
+folder is committed to git as the piece ends. ``cacheblend_report`` writes the tables,
+figures and summary from whatever records the folder holds ("k of N prompts"), after every
+piece or on its own (``python -m experiments.cacheblend_report <folder>``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import os
 import pathlib
+import subprocess
 import time
 
+import jax
 import ml_collections
 import numpy as np
 import psutil
@@ -28,16 +37,12 @@ from tqdm import tqdm
 
 from experiments import cacheblend_eval as ev
 from experiments import cacheblend_report, report
+from experiments.cacheblend_report import DEVIATIONS, PIECES, RECORDS, STATE, read_lines
 from experiments.policies import POLICIES, policy
-from experiments.timing import compile_counter
+from experiments.timing import compile_counter, machine_limits
 from kvjax import metrics
+from kvjax.blend import loading_controller
 
-RECORDS = "per_prompt.jsonl"
-"""One JSON line per scored prompt: {"index", "num_tokens", "runs": {key: metrics}, "time": {...}, ...}."""
-STATE = "run_state.json"
-"""The config a run folder's records belong to and the learned scorer they used."""
-DEVIATIONS = "deviation"
-"""Folder of per-prompt [L, chunk tokens] relative KV deviations of full reuse (float16 .npy)."""
 
 
 def _ratio(config: ml_collections.ConfigDict, controller, num_tokens: int) -> float:
@@ -51,9 +56,10 @@ def _ratio(config: ml_collections.ConfigDict, controller, num_tokens: int) -> fl
 
 
 def _comparable(config: ml_collections.ConfigDict) -> dict:
-    """The config without the fields a resumed run may change."""
+    """The config without the fields a resumed run may change (its size and its pieces' bounds)."""
     d = config.to_dict()
     d.pop("num_prompts", None)
+    d.pop("piece", None)
     return json.loads(json.dumps(d, default=str))
 
 
@@ -70,36 +76,84 @@ def _resume(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> tuple[l
     if state["config"] != current:
         differ = sorted(k for k in set(state["config"]) | set(current) if state["config"].get(k) != current.get(k))
         raise ValueError(f"{workdir} holds results of another config (fields {differ} differ); use a new --workdir")
+    records = read_lines(workdir / RECORDS)
     lines = (workdir / RECORDS).read_text().splitlines() if (workdir / RECORDS).is_file() else []
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by the interruption: that prompt runs again
-            break
+    if len(records) < len(lines):  # a line cut short by the interruption: that prompt runs again
+        (workdir / RECORDS).write_text("".join(json.dumps(r) + "\n" for r in records))
     return [r for r in records if r["index"] < config.num_prompts], state
 
 
+def _meta(setup: ev.Setup, controller, n_mean: float, ratio: float, tier_rows: list[dict]) -> dict:
+    """What the report states about the run's setup, fixed by its first piece."""
+    return {"n_mean": n_mean, "ratio": ratio, "tier_rows": tier_rows,
+            "controller_choice": dataclasses.asdict(controller.decide(int(n_mean))),
+            "num_split_chunks": setup.num_split_chunks, "max_chunk_tokens": setup.max_chunk_tokens}
+
+
+def _commit(workdir: pathlib.Path, message: str) -> str:
+    """Commits ``workdir``'s files (nothing else) to the git repository holding it; returns
+    the new commit's hash.
+
+    Raises:
+      RuntimeError: ``workdir`` is not inside a git work tree, or git failed (its message).
+    """
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=workdir, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"piece.commit: git {' '.join(args)} failed in {workdir}: {done.stderr.strip()}")
+        return done.stdout.strip()
+
+    git("add", "--", ".")
+    git("commit", "--quiet", "-m", message, "--", ".")
+    return git("rev-parse", "HEAD")
+
+
+def _head() -> str:
+    """The checked-out commit of the code (``+dirty`` when tracked files differ), or "unknown"."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode:
+        return "unknown"
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kvjax", "experiments", "configs", "pallas_kernels"],
+                           cwd=root).returncode
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def _check_piece(config: ml_collections.ConfigDict) -> None:
+    for field in ("max_prompts", "max_minutes"):
+        value = config.piece[field]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"piece.{field}={value!r} must be a number >= 0 (0 = no bound)")
+
+
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
-    """Runs the experiment (or resumes it in ``workdir``); writes tables, plots and summary.md."""
+    """Runs one piece of the experiment (or all of it), resuming from the records in
+    ``workdir``; writes tables, plots and summary.md from every record the folder holds."""
+    _check_piece(config)
     started = time.perf_counter()
     compiles = compile_counter()
     compile_start = dataclasses.replace(compiles)
+    workdir.mkdir(parents=True, exist_ok=True)
     records, state = _resume(workdir, config)
+    report.write_config(workdir, config)
     setup = ev.build(config)
     prompts = setup.prompts
     n_mean = float(np.mean([p.roles.num_tokens for p in prompts]))
     log = ev.TimingLog()
     for chunk in prompts[0].chunks:
         setup.store.put(chunk)
-    controller, tier_rows = ev.controller_table(config, setup, workdir, int(n_mean))
-    sel_cfg = ev.selection_config(config, _ratio(config, controller, int(n_mean)))
-    if state is not None:
-        weights, learned = tuple(state["weights"]), state["learned"]
-    else:
+    if state is None:
+        controller, tier_rows = ev.controller_table(config, setup, workdir, int(n_mean))
+        ratio = _ratio(config, controller, int(n_mean))
+        sel_cfg = ev.selection_config(config, ratio)
         weights, learned = ev.train_learned(setup, config, sel_cfg) if setup.train_examples else ((), {})
-        report.write_json(workdir / STATE, {"config": _comparable(config), "weights": list(weights), "learned": learned})
+        state = {"config": _comparable(config), "weights": list(weights), "learned": learned,
+                 "meta": _meta(setup, controller, n_mean, ratio, tier_rows)}
+        report.write_json(workdir / STATE, state)
         (workdir / RECORDS).write_text("")
+        (workdir / PIECES).write_text("")
+    sel_cfg = ev.selection_config(config, state["meta"]["ratio"])
+    weights = tuple(state["weights"])
     policies = [p for p in POLICIES if p in config.policies]
     main_runs = [(name, name, policy(name, sel_cfg, weights)) for name in policies]
     sweep_runs = [(f"{name}@{r:g}", name, policy(name, dataclasses.replace(sel_cfg, recompute_ratio=r), weights))
@@ -107,7 +161,13 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     (workdir / DEVIATIONS).mkdir(exist_ok=True)
     done = {r["index"] for r in records}
     todo = [i for i in range(len(prompts)) if i not in done]
+    if config.piece.max_prompts:
+        todo = todo[: int(config.piece.max_prompts)]
+    deadline = started + 60 * config.piece.max_minutes if config.piece.max_minutes else float("inf")
+    scored = []
     for i in tqdm(todo, desc="prompts", unit="prompt"):
+        if time.perf_counter() >= deadline:
+            break
         example, prompt = setup.examples[i], prompts[i]
         t0, timings, compiled = time.perf_counter(), dict(setup.engine.timings), dataclasses.replace(compiles)
         warm = dataclasses.replace(log)
@@ -132,12 +192,21 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         }
         with open(workdir / RECORDS, "a") as f:
             f.write(json.dumps(record) + "\n")
-        records.append(record)
+        scored.append(i)
         del ref, results
-    records.sort(key=lambda r: r["index"])
-    devs = [np.load(workdir / DEVIATIONS / f"{r['index']:05d}.npy").astype(np.float32) for r in records]
-    return cacheblend_report.write(
-        workdir, config, setup, sel_cfg=sel_cfg, records=records, policies=policies, sweep=sweep_runs, devs=devs,
-        learned=learned, tier_rows=tier_rows, controller=controller, n_mean=n_mean, log=log,
-        compiled=compiles.since(compile_start), elapsed=time.perf_counter() - started, resumed=len(done),
-    )
+    compiled = compiles.since(compile_start)
+    pieces = read_lines(workdir / PIECES)
+    piece = {"piece": len(pieces), "prompts": scored, "seconds": time.perf_counter() - started, "code": _head(),
+             "machine": {"cpu": loading_controller.cpu_name(), "cores": os.cpu_count(),
+                         "backend": jax.default_backend(), **machine_limits()},
+             "timing": dataclasses.asdict(log), "compile_s": compiled.seconds, "programs": compiled.programs,
+             "backend_compiles": compiled.backend_compiles, "ended": datetime.datetime.now().isoformat(timespec="seconds")}
+    with open(workdir / PIECES, "a") as f:
+        f.write(json.dumps(report.jsonable(piece)) + "\n")
+    results = cacheblend_report.write_folder(workdir)
+    if config.piece.commit:
+        total = len(read_lines(workdir / RECORDS))
+        _commit(workdir, f"Results: {config.experiment} {workdir.name}, piece {piece['piece']} ({len(scored)} prompts, "
+                         f"{total} of {config.num_prompts}) on {piece['machine']['cpu']} at "
+                         f"{piece['machine']['matmul_2048_gflops']:.0f} GFLOP/s, code {piece['code']}")
+    return results

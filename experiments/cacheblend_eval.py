@@ -1,13 +1,15 @@
 """Evaluation for the CacheBlend experiment: the engine, the workload's train and eval prompts,
 the full-recompute reference of a prompt, each policy's one prefill and its quality against
-the reference (KL, top-1, gold score, FLOP fraction, deviations), the learned scorer's
-training, and the aggregation into rows with bootstrap intervals over prompts.
+the reference (KL, top-1, gold-answer likelihood, gold score, FLOP fraction, deviations),
+the learned scorer's training, and the aggregation into rows with bootstrap intervals over
+prompts.
 
 Per prompt and policy there is one prefill, timed alone with nothing compiling in it
 (``timed`` re-runs a prefill that compiled). Its KV stays in the engine's tree under the
 run's scope, and two ordinary requests continue it (``Blender.extend``): the reference's
 greedy continuation of N tokens fed behind the prompt (teacher forcing: the policy's
-logits at every position along the reference) and, when the policy's top-1 leaves the
+logits at every position along the reference), each gold answer fed the same way (its mean
+log-probability per token, ``gold_ll``), and, when the policy's top-1 leaves the
 reference inside the answer, its own greedy answer from there (which ends at the stop
 token when the fed tokens already started the answer). The answers of all policies
 of a prompt decode together. The reference itself is the full-recompute request, generating
@@ -28,7 +30,7 @@ import numpy as np
 
 from experiments.policies import POLICIES
 from experiments.timing import compilations_during
-from experiments.workloads import WORKLOADS, gold_scores
+from experiments.workloads import WORKLOADS, gold_scores, gold_targets
 from experiments.workloads.rag import RagExample
 from kvjax import metrics
 from kvjax.blend import loading_controller, scorer, selection
@@ -36,12 +38,15 @@ from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt, Extension,
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.cache import TierThrottle
 from kvjax.config import KvCacheConfig, SchedulerConfig
-from kvjax.engine import Engine
+from kvjax.engine import Engine, RequestOutput
 from kvjax.model.registry import Model, load_model
 from kvjax.model.tokenizer import Tokenizer
 
 GOLD_KEYS = ("gold", "f1", "em", "exact", "recall")
-"""Gold scores a workload may report (``workloads.gold_scores``); "gold" is the headline."""
+"""Gold scores a workload may report (``workloads.gold_scores``); "gold" is its headline."""
+LIKELIHOOD = "gold_ll"
+"""Gold-answer likelihood: the best gold answer's mean log-probability per token (nats),
+teacher-forced behind the prompt over the policy's KV (``answer_log_likelihood``)."""
 _TRAIN_SEED = 1_000_003
 """Seed offset of the training prompts: the synthetic workload has no hash split, and the
 needles of a needle-in-a-haystack prompt come from the seed, not from the essays."""
@@ -55,8 +60,6 @@ class Setup:
       max_chunk_tokens: the longest chunk the store takes (a windowed layer group keeps a
         stored chunk whole only inside its window); longer chunks were split.
       num_split_chunks: chunks of the evaluation and training prompts split to fit it.
-      num_skipped: evaluation prompts skipped as not ``continuable`` (suffix shorter than the
-        prompt's last partial block).
     """
 
     model: Model
@@ -68,7 +71,6 @@ class Setup:
     train_examples: list[RagExample]  # the learned scorer's training prompts (disjoint)
     max_chunk_tokens: int
     num_split_chunks: int
-    num_skipped: int
 
     @property
     def prompts(self) -> list[BlendPrompt]:
@@ -133,7 +135,6 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     stop_text = "<|im_end|>" if tok.chat_format == "chatml" else "\n"
     stop_ids = tuple(model.config.eos_ids) + tuple(tok.encode(stop_text, add_bos=False))
     examples = workload_examples(config, tok, split="eval", num=config.num_prompts)
-    examples, num_skipped = _continuable(config, tok, examples)
     needs_training = "learned" in config.policies or "learned" in config.sweep.policies
     train = workload_examples(config, tok, split="train", num=config.learned.train_prompts) if needs_training else []
     check_disjoint(train, examples)
@@ -154,27 +155,16 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     split = [split_long_chunks(e, limit) for e in examples + train]
     examples, train = [e for e, _ in split[: len(examples)]], [e for e, _ in split[len(examples):]]
     return Setup(model, stop_ids, engine, store, Blender(store, token_bucket=bucket), examples, train, limit,
-                 sum(n for _, n in split), num_skipped)
+                 sum(n for _, n in split))
 
 
-def continuable(example: RagExample, tokens_per_block: int) -> bool:
-    """Whether requests continuing a run of ``example`` reuse all of its chunk tokens: a run's
-    blocks serve a continuation up to the prompt's last full block (the manager always leaves
-    the last prompt token to compute), so the suffix must cover the partial block after it."""
-    n = len(example.prefix) + sum(map(len, example.chunks)) + len(example.suffix)
-    return (n - 1) // tokens_per_block * tokens_per_block >= n - len(example.suffix)
-
-
-def _continuable(config: ml_collections.ConfigDict, tokenizer: Tokenizer,
-                 examples: list[RagExample]) -> tuple[list[RagExample], int]:
-    """The first ``num_prompts`` evaluation prompts that are ``continuable`` (drawing more when
-    some are not; the workloads draw prompts in a fixed order) and the number skipped."""
-    ps, num = config.runtime.tokens_per_block, config.num_prompts
-    while sum(continuable(e, ps) for e in examples) < num:
-        missing = num - sum(continuable(e, ps) for e in examples)
-        examples = workload_examples(config, tokenizer, split="eval", num=len(examples) + 2 * missing)
-    kept = [i for i, e in enumerate(examples) if continuable(e, ps)][:num]
-    return [examples[i] for i in kept], kept[-1] + 1 - num
+def answer_tokens(setup: Setup, example: RagExample) -> list[tuple[int, ...]]:
+    """Token ids of each gold answer (``gold_targets``) as the model would write it after the
+    prompt: a base model's answer follows "Answer:" after a space; the answer ends with the
+    stop token (the likelihood counts stopping there)."""
+    tok = setup.model.tokenizer
+    lead = "" if tok.chat_format == "chatml" else " "
+    return [(*tok.encode(lead + text, add_bos=False), setup.stop_ids[-1]) for text in gold_targets(example)]
 
 
 def selection_config(config: ml_collections.ConfigDict, ratio: float) -> selection.SelectionConfig:
@@ -314,6 +304,17 @@ def _quality(ref: Reference, logits: np.ndarray) -> dict:
             "answer_agree": float(div >= ref.answer_len)}
 
 
+def _answer_extensions(run: PolicyRun, answers: list[tuple[int, ...]]) -> list[Extension]:
+    """Each answer teacher-forced behind ``run``'s prompt over its KV, keeping the logits
+    before each answer token."""
+    return [Extension(run, a[:-1], prompt_logits=len(a)) for a in answers]
+
+
+def _best_likelihood(outputs: Sequence[RequestOutput], answers: list[tuple[int, ...]]) -> float:
+    """The best of ``answers``' mean log-probabilities per token (``_answer_extensions``' outputs)."""
+    return max(metrics.answer_log_likelihood(o.prompt_logits, a) for o, a in zip(outputs, answers))
+
+
 def _recall_vs_oracle(prompt: BlendPrompt, ratio: float, ref: Reference, recomputed: np.ndarray) -> float:
     """Share of the oracle's chunk tokens (highest true deviation) that the last layer recomputed."""
     selectable, _ = prompt.roles.masks(prompt.roles.num_tokens)
@@ -350,7 +351,7 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
       detailed: adds per-layer deviations (a traced run per policy, untimed).
 
     Returns:
-      {key: metrics}: ttft_s, kl, top1, first_div, answer_agree, the gold scores and answer,
+      {key: metrics}: ttft_s, kl, top1, first_div, answer_agree, gold_ll, the gold scores and answer,
       flop_fraction, recall_vs_oracle, phases (seconds of the blended prefill's parts), and
       with ``detailed`` dev_selected, dev_unselected, attn_dev [L].
     """
@@ -365,6 +366,7 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
             results[key]["answer"], _ = answer_text(tok, [*ext.feed, *out.output], setup.stop_ids)
         pending.clear()
 
+    answers = answer_tokens(setup, example)
     traced: list[tuple[str, selection.SelectionConfig]] = []
     done: dict[selection.SelectionConfig | str, str] = {}  # a sweep point at the run's ratio is the policy's own run
     for key, name, pol in runs:
@@ -375,15 +377,14 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
         if pol == FULL_RECOMPUTE:
             results[key] = {"ttft_s": ref.run.ttft_s, "kl": 0.0, "top1": 1.0, "first_div": len(ref.continuation),
                             "answer_agree": 1.0, "flop_fraction": 1.0, "recall_vs_oracle": 1.0, "phases": {},
-                            "answer": ref.answer}
+                            "answer": ref.answer, LIKELIHOOD: _best_likelihood(setup.blender.extend(_answer_extensions(ref.run, answers)), answers)}
             continue
         run = timed(setup, prompt, pol, log, scores=ref.true_dev)
-        [forced] = setup.blender.extend([Extension(run, tuple(ref.continuation[:-1].tolist()),
-                                                   prompt_logits=len(ref.continuation))])
-        logits = forced.prompt_logits
-        if len(logits) == len(ref.continuation) - 1:  # a prompt of whole pages: its last token was served from the
-            logits = np.concatenate([run.logits[:1], logits])  # run's blocks, so its logits are the run's own
-        out = results[key] = _quality(ref, logits)
+        forced, *golds = setup.blender.extend([Extension(run, tuple(ref.continuation[:-1].tolist()),
+                                                         prompt_logits=len(ref.continuation)),
+                                               *_answer_extensions(run, answers)])
+        out = results[key] = _quality(ref, forced.prompt_logits)
+        out[LIKELIHOOD] = _best_likelihood(golds, answers)
         report = run.report
         out.update(ttft_s=run.ttft_s, flop_fraction=metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
                    recall_vs_oracle=_recall_vs_oracle(prompt, pol.recompute_ratio, ref, report.recomputed),
@@ -461,7 +462,7 @@ def controller_table(config: ml_collections.ConfigDict, setup: Setup, workdir: p
 def ci_row(name: str, per_prompt: list[dict], nboot: int, seed: int, **extra: object) -> dict:
     """Mean and bootstrap 95% interval over prompts of every quality metric present."""
     row: dict = {"policy": name, **extra}
-    for key in ("kl", "top1", "answer_agree", *GOLD_KEYS, "flop_fraction"):
+    for key in ("kl", "top1", "answer_agree", LIKELIHOOD, *GOLD_KEYS, "flop_fraction"):
         if key in per_prompt[0]:
             mean, lo, hi = metrics.bootstrap_ci([p[key] for p in per_prompt], num=nboot, seed=seed)
             row[key], row[f"{key}_lo"], row[f"{key}_hi"] = mean, lo, hi
@@ -481,9 +482,17 @@ def speed_row(per_prompt: list[dict], full: list[dict], nboot: int, seed: int) -
             "speedup_hi": hi, "time_fraction": float(t.mean() / f.mean())}
 
 
+TOLERANCE = {"kl": 1e-4, LIKELIHOOD: 1e-3}
+"""Smallest difference called significant, per metric (nats for kl and gold_ll); every other
+metric is a share in [0, 1], with ``DEFAULT_TOLERANCE``. Two paths computing the same KV
+differ by float rounding far below these (KL ~1e-11)."""
+DEFAULT_TOLERANCE = 1e-3
+
+
 def paired_rows(per_policy: dict[str, list[dict]], baseline: str, keys: tuple[str, ...], nboot: int, seed: int) -> list[dict]:
     """Per-prompt differences policy minus ``baseline`` with paired bootstrap intervals;
-    ``significant``: the interval excludes 0."""
+    ``significant``: the interval excludes 0 and the difference exceeds the metric's
+    ``TOLERANCE`` in magnitude."""
     rows = []
     for name, results in per_policy.items():
         if name == baseline or baseline not in per_policy:
@@ -492,8 +501,9 @@ def paired_rows(per_policy: dict[str, list[dict]], baseline: str, keys: tuple[st
             if key in results[0]:
                 mean, lo, hi = metrics.paired_bootstrap_ci([p[key] for p in results], [p[key] for p in per_policy[baseline]],
                                                            num=nboot, seed=seed)
+                tol = TOLERANCE.get(key, DEFAULT_TOLERANCE)
                 rows.append({"policy": name, "metric": key, "baseline": baseline, "difference": mean, "lo": lo, "hi": hi,
-                             "significant": bool(lo > 0 or hi < 0)})
+                             "tolerance": tol, "significant": bool((lo > 0 or hi < 0) and abs(mean) > tol)})
     return rows
 
 
@@ -504,12 +514,12 @@ def _share(s: np.ndarray, r: np.ndarray, f: np.ndarray) -> np.ndarray:
         return np.where(gap != 0, (s.mean(axis=-1) - r.mean(axis=-1)) / gap, np.nan)
 
 
-def recovery(per_policy: dict[str, list[dict]], nboot: int, seed: int, key: str = "gold") -> dict:
-    """Gold loss of full reuse against full recompute (paired CI) and the share of it each
-    selector recovers, (selector - full reuse) / (full recompute - full reuse) of the means,
-    with a bootstrap interval over prompts (NaN where a resample has no loss to recover)."""
+def recovery(per_policy: dict[str, list[dict]], nboot: int, seed: int, key: str = LIKELIHOOD) -> dict:
+    """Loss of full reuse against full recompute on ``key`` (paired CI) and the share of it
+    each selector recovers, (selector - full reuse) / (full recompute - full reuse) of the
+    means, with a bootstrap interval over prompts (NaN where a resample has no loss to recover)."""
     full, reuse = per_policy.get("full_recompute"), per_policy.get("full_reuse")
-    if not full or not reuse:
+    if not full or not reuse or key not in full[0]:
         return {}
     f = np.asarray([p[key] for p in full])
     r = np.asarray([p[key] for p in reuse])
@@ -520,40 +530,61 @@ def recovery(per_policy: dict[str, list[dict]], nboot: int, seed: int, key: str 
             continue
         s = np.asarray([p[key] for p in results])
         shares[name] = metrics.bootstrap_statistic((s, r, f), _share, num=nboot, seed=seed)
-    return {"reuse_minus_full": loss, "lo": lo, "hi": hi, "recovered_share": shares}
+    return {"metric": key, "reuse_minus_full": loss, "lo": lo, "hi": hi, "recovered_share": shares}
 
 
-def ratio_at_quality(ratios: Sequence[float], gold: np.ndarray, reuse: np.ndarray, full: np.ndarray,
-                     target: float = 0.99) -> np.ndarray:
-    """Smallest recompute ratio whose mean gold reaches ``target`` x full recompute's, on the
-    piecewise-linear curve through (0, full reuse), the sweep's (ratio, mean) points and
-    (1, full recompute). Vectorized over leading axes (bootstrap resamples).
+RECOVERED = (0.95, 0.99)
+"""Shares of full reuse's loss a selector's budget is read at."""
+RELATIVE_DROP = 0.01
+"""The quality drop QCFuse and SIFT report speedups at: a metric >= (1 - drop) x full
+recompute's (gold_ll, in nats: per-token probability >= (1 - drop) x full recompute's)."""
+
+
+def goal(key: str, reuse: np.ndarray, full: np.ndarray, *, recovered: float | None = None) -> np.ndarray:
+    """The mean a selector must reach on ``key`` (means [...] of full reuse and full recompute):
+    ``recovered`` of full reuse's loss, or with None full recompute's within ``RELATIVE_DROP``."""
+    if recovered is not None:
+        return reuse + recovered * (full - reuse)
+    if key == LIKELIHOOD:
+        return full + np.log1p(-RELATIVE_DROP)
+    return (1 - RELATIVE_DROP) * full
+
+
+def ratio_at_goal(ratios: Sequence[float], scores: np.ndarray, reuse: np.ndarray, full: np.ndarray,
+                  target: np.ndarray) -> np.ndarray:
+    """Smallest recompute ratio whose mean score reaches ``target``, on the piecewise-linear
+    curve through (0, full reuse), the sweep's (ratio, mean) points and (1, full recompute).
+    Vectorized over leading axes (bootstrap resamples).
 
     Args:
       ratios: [R] increasing sweep ratios in (0, 1).
-      gold: [..., R, P] gold per ratio and prompt; reuse, full: [..., P].
+      scores: [..., R, P] per ratio and prompt; reuse, full: [..., P]; target: [...].
 
     Returns:
-      [...] ratios (1.0 when only full recompute reaches the target).
+      [...] ratios: 0 when full reuse reaches the target, 1 when only full recompute does,
+      NaN when not even full recompute does.
     """
     x = np.asarray([0.0, *ratios, 1.0])
-    y = np.concatenate([reuse.mean(-1)[..., None], gold.mean(-1), full.mean(-1)[..., None]], axis=-1)  # [..., R + 2]
-    goal = target * full.mean(-1)[..., None]
-    reached = y >= goal - 1e-12
-    first = np.argmax(reached, axis=-1)  # the last point always reaches it when the target is <= 1
+    y = np.concatenate([reuse.mean(-1)[..., None], scores.mean(-1), full.mean(-1)[..., None]], axis=-1)  # [..., R + 2]
+    g = np.asarray(target)
+    reached = y >= g[..., None] - 1e-12
+    first = np.argmax(reached, axis=-1)
     prev = np.maximum(first - 1, 0)
     take = lambda a, i: np.take_along_axis(a, i[..., None], axis=-1)[..., 0]  # noqa: E731
-    y0, y1, g = take(y, prev), take(y, first), goal[..., 0]
+    y0, y1 = take(y, prev), take(y, first)
     with np.errstate(divide="ignore", invalid="ignore"):
         frac = np.where(y1 > y0, (g - y0) / (y1 - y0), 1.0)
-    return np.where(first == 0, 0.0, x[prev] + np.clip(frac, 0, 1) * (x[first] - x[prev]))
+    ratio = np.where(first == 0, 0.0, x[prev] + np.clip(frac, 0, 1) * (x[first] - x[prev]))
+    return np.where(reached.any(axis=-1), ratio, np.nan)
 
 
 def budget_rows(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str, list[dict]], nboot: int, seed: int,
-                target: float = 0.99) -> list[dict]:
-    """Per swept selector: the smallest ratio reaching ``target`` x full recompute's gold
-    (``ratio_at_quality``, bootstrap interval over the sweep's prompts) and the TTFT there
-    (interpolated on the sweep's mean TTFTs, full reuse at 0 and full recompute at 1)."""
+                keys: tuple[str, ...] = (LIKELIHOOD, "gold")) -> list[dict]:
+    """Per swept selector and metric: the smallest ratio recovering each of ``RECOVERED`` of
+    full reuse's loss and the one within ``RELATIVE_DROP`` of full recompute
+    (``ratio_at_goal``, bootstrap 95% interval over the sweep's prompts), with the mean TTFT
+    there and the speedup over full recompute's (TTFT interpolated on the sweep's means,
+    full reuse at 0 and full recompute at 1)."""
     if "full_reuse" not in per_policy:
         return []
     rows = []
@@ -562,21 +593,30 @@ def budget_rows(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str
         if not ratios:
             continue
         p = len(sweep[(name, ratios[0])])
-        gold = np.asarray([[q["gold"] for q in sweep[(name, r)]] for r in ratios])  # [R, P]
-        reuse = np.asarray([q["gold"] for q in per_policy["full_reuse"][:p]])
-        full = np.asarray([q["gold"] for q in per_policy["full_recompute"][:p]])
-        ratio = float(ratio_at_quality(ratios, gold, reuse, full, target))
-        idx = np.random.default_rng(seed).integers(0, p, (nboot, p))
-        boot = ratio_at_quality(ratios, gold[:, idx].transpose(1, 0, 2), reuse[idx], full[idx], target)
         ttft = [np.mean([q["ttft_s"] for q in per_policy["full_reuse"][:p]]),
                 *[np.mean([q["ttft_s"] for q in sweep[(name, r)]]) for r in ratios],
                 np.mean([q["ttft_s"] for q in per_policy["full_recompute"][:p]])]
-        lo, hi = np.quantile(boot, [0.025, 0.975])
-        rows.append({"policy": name, "ratio_at_99": ratio, "lo": float(lo), "hi": float(hi), "prompts": p,
-                     "ttft_s_at_ratio": float(np.interp(ratio, [0.0, *ratios, 1.0], ttft))})
+        idx = np.random.default_rng(seed).integers(0, p, (nboot, p))
+        for key in keys:
+            if key not in sweep[(name, ratios[0])][0]:
+                continue
+            scores = np.asarray([[q[key] for q in sweep[(name, r)]] for r in ratios])  # [R, P]
+            reuse = np.asarray([q[key] for q in per_policy["full_reuse"][:p]])
+            full = np.asarray([q[key] for q in per_policy["full_recompute"][:p]])
+            row = {"policy": name, "metric": key, "prompts": p}
+            for label, share in [*((f"{round(100 * t)}%", t) for t in RECOVERED), (f"{RELATIVE_DROP:.0%} drop", None)]:
+                ratio = float(ratio_at_goal(ratios, scores, reuse, full, goal(key, reuse.mean(), full.mean(), recovered=share)))
+                boot = ratio_at_goal(ratios, scores[:, idx].transpose(1, 0, 2), reuse[idx], full[idx],
+                                     goal(key, reuse[idx].mean(-1), full[idx].mean(-1), recovered=share))
+                lo, hi = np.nanquantile(boot, [0.025, 0.975]) if np.isfinite(boot).any() else (np.nan, np.nan)
+                at = float(np.interp(ratio, [0.0, *ratios, 1.0], ttft)) if np.isfinite(ratio) else np.nan
+                row.update({f"ratio_{label}": ratio, f"ratio_{label}_lo": float(lo), f"ratio_{label}_hi": float(hi),
+                            f"speedup_{label}": ttft[-1] / at if np.isfinite(at) else np.nan})
+            rows.append(row)
     return rows
 
 
-__all__ = ["GOLD_KEYS", "Reference", "Setup", "TimingLog", "budget_rows", "build", "check_disjoint", "ci_row",
-           "controller_table", "evaluate_prompt", "paired_rows", "ratio_at_quality", "recovery", "reference",
-           "selection_config", "speed_row", "split_long_chunks", "timed", "train_learned", "workload_examples"]
+__all__ = ["GOLD_KEYS", "LIKELIHOOD", "RECOVERED", "RELATIVE_DROP", "Reference", "Setup", "TOLERANCE", "TimingLog",
+           "answer_tokens", "budget_rows", "build", "check_disjoint", "ci_row", "controller_table", "evaluate_prompt",
+           "goal", "paired_rows", "ratio_at_goal", "recovery", "reference", "selection_config", "speed_row",
+           "split_long_chunks", "timed", "train_learned", "workload_examples"]

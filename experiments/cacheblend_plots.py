@@ -9,8 +9,9 @@ drawn as bands (curves) or whiskers (points).
   deviation_concentration.png    how much of the deviation the top tokens hold
   adjacent_layer_correlation.png whether a check layer predicts the next layers
   kv_deviation_by_layer.png      deviation left in reused vs recomputed tokens
-  pareto_ttft.png, pareto_flops.png  gold score against mean TTFT / FLOP fraction, one point per
-                                 policy and swept ratio, full recompute and full reuse the two ends
+  pareto_ttft.png, pareto_flops.png  gold-answer likelihood against mean TTFT / FLOP fraction, one
+                                 point per policy and swept ratio with its interval, full recompute
+                                 and full reuse the two ends (pareto_ttft_gold.png: the gold score)
 """
 
 from __future__ import annotations
@@ -122,23 +123,48 @@ def deviation_by_layer(path: pathlib.Path, per_policy: dict[str, list[dict]], na
     _save(fig, path)
 
 
-def pareto(path: pathlib.Path, rows: list[dict], sweep_rows: list[dict], cost: str, label: str) -> None:
-    """Gold score (mean over prompts) against ``cost`` per policy at the run's ratio (labelled
-    points) and per selector along its swept ratios (lines), the Pareto front dashed."""
-    fig, ax = plt.subplots(figsize=_SIZE)
+def significant_front(points: list[tuple[float, float, float, float]]) -> list[tuple[float, float]]:
+    """Cost-ordered points (cost, mean, lo, hi) that beat every cheaper point of the front by
+    more than noise: a point joins when its interval's low end lies above the high end of the
+    front's last point (the cheapest point starts it)."""
+    front: list[tuple[float, float, float, float]] = []
+    for x, y, lo, hi in sorted(points):
+        if not front or lo > front[-1][3]:
+            front.append((x, y, lo, hi))
+    return [(x, y) for x, y, _, _ in front]
+
+
+def pareto(path: pathlib.Path, rows: list[dict], sweep_rows: list[dict], cost: str, label: str, key: str, ylabel: str,
+           budgets: list[dict] = ()) -> None:
+    """``key`` (mean over prompts, 95% interval whiskers) against ``cost``: one marker per
+    policy at the run's ratio (named in the legend, not on the plot, so close points stay
+    legible), each swept selector's curve in its policy's colour, each selector's budget for
+    95% of full reuse's loss as a star (TTFT only), and the front only through points that
+    improve on cheaper ones beyond their intervals (``significant_front``)."""
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    markers = "os^vDPX<>*hp"
+    colors = {}
+    for i, r in enumerate(sorted(rows, key=lambda r: r[cost])):
+        err = [[r[key] - r[f"{key}_lo"]], [r[f"{key}_hi"] - r[key]]]
+        bar = ax.errorbar(r[cost], r[key], yerr=err, fmt=markers[i % len(markers)], ms=5, capsize=2, lw=0.8,
+                          label=r["policy"], zorder=3)
+        colors[r["policy"]] = bar[0].get_color()
     for name in dict.fromkeys(r["policy"] for r in sweep_rows):
         line = sorted((r for r in sweep_rows if r["policy"] == name), key=lambda r: r["ratio"])
-        ax.plot([r[cost] for r in line], [r["gold"] for r in line], marker=".", lw=0.8, label=name)
-    for r in rows:
-        ax.scatter(r[cost], r["gold"], color="black", s=12, zorder=3)
-        ax.annotate(r["policy"], (r[cost], r["gold"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
-    points = sorted((r[cost], r["gold"]) for r in [*rows, *sweep_rows])
-    front, best = [], -np.inf
-    for x, y in points:
-        if y > best:
-            front.append((x, y))
-            best = y
-    ax.plot(*zip(*front), "--", color="gray", lw=0.8, label="Pareto front")
-    ax.set(xlabel=label, ylabel="gold score (mean over prompts)")
-    ax.legend(fontsize=6, ncol=2)
+        ax.errorbar([r[cost] for r in line], [r[key] for r in line],
+                    yerr=[[r[key] - r[f"{key}_lo"] for r in line], [r[f"{key}_hi"] - r[key] for r in line]],
+                    marker=".", lw=0.7, alpha=0.6, capsize=0, color=colors.get(name))
+    if cost == "ttft_mean_s":
+        full = next((r for r in rows if r["policy"] == "full_recompute"), None)
+        for b in budgets:
+            if b["metric"] == key and full is not None and np.isfinite(b["ratio_95%"]):
+                at = full["ttft_mean_s"] / b["speedup_95%"]
+                reuse = next(r[key] for r in rows if r["policy"] == "full_reuse")
+                ax.scatter(at, reuse + 0.95 * (full[key] - reuse), marker="*", s=60, color=colors.get(b["policy"]),
+                           edgecolors="black", linewidths=0.4, zorder=4)
+    front = significant_front([(r[cost], r[key], r[f"{key}_lo"], r[f"{key}_hi"]) for r in [*rows, *sweep_rows]])
+    if len(front) > 1:
+        ax.plot(*zip(*front), "--", color="gray", lw=0.8, label="front (beyond noise)")
+    ax.set(xlabel=label, ylabel=ylabel)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     _save(fig, path)

@@ -1,29 +1,43 @@
 """Tables, figures and summary of the CacheBlend experiment, from the per-prompt records:
 per-policy quality at the run's ratio with bootstrap 95% intervals over prompts, speed as
 TTFT against full recompute's on the same prompts, paired differences against full
-recompute and full reuse for every gold metric, the share of full reuse's gold loss each
-selector recovers, the recompute ratio each selector needs for 99% of full recompute's gold,
+recompute and full reuse for every metric, the share of full reuse's loss each selector
+recovers (gold-answer likelihood first, then the gold score), the recompute ratio each
+selector needs for 95% and 99% of that loss and the speedup within 1% of full recompute,
 quality-vs-ratio curves and the Pareto front, time fraction against FLOP fraction and the
-fixed cost, where the run's time went, the learned scorer's training recall, the loading
-controller.
+fixed cost, where the run's time went and in which pieces, the learned scorer's training
+recall, the loading controller.
+
+Regenerate them from whatever a run folder holds (a run still going, or stopped midway)::
+
+    python -m experiments.cacheblend_report runs/cacheblend-20261204-190000
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import pathlib
+import sys
 
-import jax
 import ml_collections
 import numpy as np
 
 from experiments import cacheblend_plots as plots
 from experiments import report
 from experiments.cacheblend_eval import (
-    GOLD_KEYS, Setup, TimingLog, budget_rows, ci_row, paired_rows, recovery, speed_row,
+    GOLD_KEYS, LIKELIHOOD, RECOVERED, RELATIVE_DROP, budget_rows, ci_row, paired_rows, recovery, speed_row,
 )
-from experiments.timing import Compilations
-from kvjax.blend.selection import SelectionConfig
+from experiments.policies import POLICIES
+
+RECORDS = "per_prompt.jsonl"
+"""One JSON line per scored prompt: {"index", "num_tokens", "runs": {key: metrics}, "time": {...}, ...}."""
+STATE = "run_state.json"
+"""The config a run folder's records belong to, the learned scorer and the recompute ratio
+they used, and the facts of the setup the summary states ("meta")."""
+PIECES = "pieces.jsonl"
+"""One JSON line per piece of the run: prompts scored, seconds, compilation, machine, commit."""
+DEVIATIONS = "deviation"
+"""Folder of per-prompt [L, chunk tokens] relative KV deviations of full reuse (float16 .npy)."""
 
 TIME_SLACK = 1.3
 """A selector's time fraction must stay within this factor of its FLOP fraction (plus the fixed cost)."""
@@ -40,7 +54,8 @@ def _display(rows: list[dict], keys: tuple[str, ...], first: tuple[str, ...]) ->
 
 
 def _significance(paired: list[dict], key: str) -> str:
-    """One sentence per baseline: which policies differ significantly on ``key`` and which do not."""
+    """One sentence per baseline: which policies differ significantly on ``key`` (interval
+    excluding 0 and a difference above the metric's tolerance) and which do not."""
     lines = []
     for baseline in dict.fromkeys(r["baseline"] for r in paired):
         rows = [r for r in paired if r["baseline"] == baseline and r["metric"] == key]
@@ -49,10 +64,48 @@ def _significance(paired: list[dict], key: str) -> str:
         above = [f"{r['policy']} ({r['difference']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}])" for r in rows
                  if r["significant"] and r["difference"] > 0]
         same = [r["policy"] for r in rows if not r["significant"]]
-        lines.append(f"- vs {baseline.replace('_', ' ')} ({key}, paired 95% CI): significantly lower: "
+        tol = rows[0]["tolerance"] if rows else 0.0
+        lines.append(f"- vs {baseline.replace('_', ' ')} ({key}, paired 95% CI, tolerance {tol:g}): significantly lower: "
                      f"{', '.join(below) or 'none'}; significantly higher: {', '.join(above) or 'none'}; "
                      f"not significantly different: {', '.join(same) or 'none'}.")
     return "\n".join(lines) + "\n"
+
+
+def _headline(h: dict, paired: list[dict], ratio: float) -> str:
+    """Full reuse's loss on one metric, the share of it each selector recovers (best first)
+    and which policies differ significantly."""
+    key = h["metric"]
+    shares = sorted(h["recovered_share"].items(), key=lambda kv: -np.nan_to_num(kv[1][0], nan=-np.inf))
+    text = ", ".join(f"{k} {v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]" for k, v in shares)
+    return (f"**{key}**: full reuse minus full recompute {h['reuse_minus_full']:.4f} [{h['lo']:.4f}, {h['hi']:.4f}] "
+            f"(paired 95% CI). Share of that loss recovered at {ratio:.0%} (bootstrap 95% CI; undefined where the loss "
+            f"interval holds 0): {text}.\n\n" + _significance(paired, key) + "\n")
+
+
+def _budget_headline(budgets: list[dict]) -> str:
+    """One line per metric: the ratio each selector needs for the first ``RECOVERED`` share."""
+    label = f"{round(100 * RECOVERED[0])}%"
+    lines = []
+    for key in dict.fromkeys(b["metric"] for b in budgets):
+        rows = [b for b in budgets if b["metric"] == key]
+        parts = [f"{b['policy']} {b[f'ratio_{label}']:.2f} [{b[f'ratio_{label}_lo']:.2f}, {b[f'ratio_{label}_hi']:.2f}]"
+                 for b in sorted(rows, key=lambda b: np.nan_to_num(b[f"ratio_{label}"], nan=np.inf))]
+        lines.append(f"- ratio for {label} of full reuse's {key} loss: {', '.join(parts)}.\n")
+    return "".join(lines)
+
+
+def _display_budgets(budgets: list[dict]) -> list[dict]:
+    """Budget rows as "ratio [lo, hi]" strings beside the speedup there."""
+    out = []
+    for b in budgets:
+        row = {"policy": b["policy"], "metric": b["metric"], "prompts": b["prompts"]}
+        for k in b:
+            if k.startswith("ratio_") and not k.endswith(("_lo", "_hi")):
+                row[k] = f"{b[k]:.3f} [{b[k + '_lo']:.3f}, {b[k + '_hi']:.3f}]"
+                speed = b["speedup_" + k.removeprefix("ratio_")]
+                row["speedup_" + k.removeprefix("ratio_")] = f"{speed:.2f}x"
+        out.append(row)
+    return out
 
 
 def _fixed_cost(per_policy: dict[str, list[dict]]) -> dict:
@@ -66,19 +119,67 @@ def _fixed_cost(per_policy: dict[str, list[dict]]) -> dict:
     return {"ttft_ms": ttft, **parts, "engine_step_ms": ttft - sum(parts.values())}
 
 
-def write(
-    workdir: pathlib.Path, config: ml_collections.ConfigDict, setup: Setup, *, sel_cfg: SelectionConfig,
-    records: list[dict], policies: list[str], sweep: list[tuple], devs: list[np.ndarray], learned: dict,
-    tier_rows: list[dict], controller, n_mean: float, log: TimingLog, compiled: Compilations, elapsed: float,
-    resumed: int,
-) -> dict:
-    """Writes policies.csv, paired.csv, ratio_sweep.csv, budget.csv, the figures and summary.md; returns the results."""
+def read_lines(path: pathlib.Path) -> list[dict]:
+    """The JSON lines of ``path`` up to the first one cut short (an interrupted write)."""
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def write_folder(workdir: pathlib.Path) -> dict:
+    """Writes the tables, figures and summary of the run in ``workdir`` from the records it
+    holds (``config.json``, ``run_state.json``, ``per_prompt.jsonl``, ``pieces.jsonl``,
+    ``deviation/``); returns the results.
+
+    Raises:
+      FileNotFoundError: ``workdir`` holds no run (its config or state is missing).
+      ValueError: it holds no scored prompt yet.
+    """
+    workdir = pathlib.Path(workdir)
+    for name in ("config.json", STATE):
+        if not (workdir / name).is_file():
+            raise FileNotFoundError(f"{workdir} holds no CacheBlend run: {name} is missing")
+    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    state = json.loads((workdir / STATE).read_text())
+    records = sorted((r for r in read_lines(workdir / RECORDS) if r["index"] < config.num_prompts), key=lambda r: r["index"])
+    if not records:
+        raise ValueError(f"{workdir} holds no scored prompt yet ({RECORDS} is empty)")
+    devs = [np.load(workdir / DEVIATIONS / f"{r['index']:05d}.npy").astype(np.float32) for r in records]
+    return write(workdir, config, records=records, state=state, pieces=read_lines(workdir / PIECES), devs=devs)
+
+
+def _pieces_text(pieces: list[dict]) -> str:
+    """The run's pieces: prompts, time, code and machine of each."""
+    rows = [{"piece": p["piece"], "prompts": len(p["prompts"]), "first": min(p["prompts"], default=None),
+             "last": max(p["prompts"], default=None), "seconds": p["seconds"], "compile_s": p["compile_s"],
+             "code": p["code"], "cpu": p["machine"]["cpu"], "cores": p["machine"]["cores"],
+             "matmul_GFLOP_s": p["machine"]["matmul_2048_gflops"], "copy_GB_s": p["machine"]["copy_gb_s"],
+             "ended": p["ended"]} for p in pieces]
+    return report.markdown_table(rows) if rows else "(no piece has ended yet)\n"
+
+
+def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: list[dict], state: dict,
+          pieces: list[dict], devs: list[np.ndarray]) -> dict:
+    """Writes policies.csv, paired.csv, ratio_sweep.csv, budget.csv, the figures and summary.md
+    from ``records`` (per-prompt, by index), the run's ``state`` (learned scorer, ratio and
+    setup facts) and its ``pieces``; returns the results."""
     nboot, seed = config.eval.bootstrap, config.seed
+    meta, learned = state["meta"], state["learned"]
+    ratio = meta["ratio"]
+    n_mean = meta["n_mean"]
+    policies = [p for p in POLICIES if p in config.policies]
     per_policy = {name: [r["runs"][name] for r in records] for name in policies}
     sweep_results = {}
-    for key, name, pol in sweep:
-        results = [r["runs"][key] for r in records if key in r["runs"]]
-        sweep_results[(name, pol.recompute_ratio)] = results
+    for name in config.sweep.policies:
+        for r in config.sweep.ratios:
+            sweep_results[(name, r)] = [rec["runs"][f"{name}@{r:g}"] for rec in records if f"{name}@{r:g}" in rec["runs"]]
+    log = {k: sum(p["timing"][k] for p in pieces) for k in ("timed_runs", "warmup_runs", "warmup_s", "compiles_in_timed")}
+    compiled = {k: sum(p[k] for p in pieces) for k in ("compile_s", "programs", "backend_compiles")}
+    elapsed = sum(p["seconds"] for p in pieces)
     full = per_policy["full_recompute"]
     rows = []
     for name, results in per_policy.items():
@@ -91,25 +192,32 @@ def write(
     for row in rows:
         row["time_bound"] += fixed_fraction
         row["within_bound"] = bool(row["time_fraction"] <= row["time_bound"])
-    gold_keys = tuple(k for k in GOLD_KEYS if k in rows[0])
+    gold_keys = tuple(k for k in (LIKELIHOOD, *GOLD_KEYS) if k in rows[0])
     quality = ("kl", "top1", *gold_keys)
     report.write_csv(workdir / "policies.csv", rows)
     paired = (paired_rows(per_policy, "full_recompute", (*gold_keys, "kl", "top1"), nboot, seed)
               + paired_rows(per_policy, "full_reuse", (*gold_keys, "kl", "top1"), nboot, seed))
     report.write_csv(workdir / "paired.csv", paired)
-    headline = recovery(per_policy, nboot, seed)
+    headlines = [h for h in (recovery(per_policy, nboot, seed, key) for key in (LIKELIHOOD, "gold")) if h]
     sweep_rows = [ci_row(name, results, nboot, seed, ratio=r, ttft_mean_s=float(np.mean([p["ttft_s"] for p in results])))
                   for (name, r), results in sweep_results.items() if results]
     budgets = budget_rows(sweep_results, per_policy, nboot, seed)
     if sweep_rows:
         report.write_csv(workdir / "ratio_sweep.csv", sweep_rows)
         report.write_csv(workdir / "budget.csv", budgets)
-        means = {r["policy"]: r["gold"] for r in rows if r["policy"] in ("full_recompute", "full_reuse")}
-        plots.quality_vs_ratio(workdir / "gold_vs_ratio.png", sweep_rows, "gold", "gold score (95% CI band)", means)
+        for key, label in ((LIKELIHOOD, "gold-answer log-likelihood, nats/token"), ("gold", "gold score")):
+            if key in rows[0]:
+                means = {r["policy"]: r[key] for r in rows if r["policy"] in ("full_recompute", "full_reuse")}
+                plots.quality_vs_ratio(workdir / f"{key}_vs_ratio.png", sweep_rows, key, f"{label} (95% CI band)", means)
         plots.quality_vs_ratio(workdir / "kl_vs_ratio.png", sweep_rows, "kl", "KL from full recompute, nats (95% CI band)", {})
-    plots.pareto(workdir / "pareto_ttft.png", rows, sweep_rows, "ttft_mean_s", "mean TTFT (s)")
-    plots.pareto(workdir / "pareto_flops.png", rows, sweep_rows, "flop_fraction", "FLOP fraction of full recompute")
-    plots.policy_quality(workdir / "policy_quality.png", rows, sel_cfg.recompute_ratio)
+    for key, suffix, ylabel in ((LIKELIHOOD, "", "gold-answer log-likelihood (nats/token)"), ("gold", "_gold", "gold score")):
+        if key in rows[0]:
+            plots.pareto(workdir / f"pareto_ttft{suffix}.png", rows, sweep_rows, "ttft_mean_s", "mean TTFT (s)", key, ylabel,
+                         budgets)
+    if LIKELIHOOD in rows[0]:
+        plots.pareto(workdir / "pareto_flops.png", rows, sweep_rows, "flop_fraction", "FLOP fraction of full recompute",
+                     LIKELIHOOD, "gold-answer log-likelihood (nats/token)")
+    plots.policy_quality(workdir / "policy_quality.png", rows, ratio)
     dev_stats = plots.deviation_figures(workdir, devs)
     plots.deviation_by_layer(workdir / "kv_deviation_by_layer.png", per_policy, ("full_reuse", "cacheblend", "query_aware", "random"))
 
@@ -117,35 +225,29 @@ def write(
     rss = [r["time"]["rss_gb"] for r in records]
     per_hour = 3600.0 * len(records) / times["wall_s"]
     time_text = (
-        f"{len(records)} prompts scored in {times['wall_s']:.0f} s of prompt loops ({resumed} read back from an earlier "
-        f"run), {times['wall_s'] / len(records):.1f} s per prompt = **{per_hour:.0f} prompts per hour** on this machine "
+        f"{len(records)} prompts scored in {times['wall_s']:.0f} s of prompt loops over {len(pieces)} pieces "
+        f"(below), {times['wall_s'] / len(records):.1f} s per prompt = **{per_hour:.0f} prompts per hour** on this machine "
         f"(compiles included). Where it went (sums over prompts): compile {times['compile_s']:.0f} s "
         f"({times['programs']:.0f} programs traced), ordinary prefills {times['prefill_s']:.0f} s, blended prefills "
         f"{times['blend_s']:.0f} s, decode {times['decode_s']:.0f} s, page ops {times['page_ops_s']:.1f} s, host (the rest) "
         f"{times['host_s']:.0f} s; prefill and decode times include the compiles that happened in them. Resident "
         f"memory after each prompt: first {rss[0]:.2f} GB, last {rss[-1]:.2f} GB, peak {max(rss):.2f} GB.\n\n"
-        f"Compilation, apart from every timed figure: {compiled.seconds:.1f} s over the whole run ({compiled.programs} "
-        f"programs traced, {compiled.backend_compiles} compiled by the backend, the rest from the compilation cache). "
-        f"{log.warmup_runs} prefills compiled and were run again before being timed ({log.warmup_s:.1f} s); "
-        f"{log.timed_runs} timed prefills, {log.compiles_in_timed} compilations inside them. Run time {elapsed:.0f} s.\n"
+        f"Compilation, apart from every timed figure: {compiled['compile_s']:.1f} s over the whole run "
+        f"({compiled['programs']} programs traced, {compiled['backend_compiles']} compiled by the backend, the rest from "
+        f"the compilation cache). {log['warmup_runs']} prefills compiled and were run again before being timed "
+        f"({log['warmup_s']:.1f} s); {log['timed_runs']} timed prefills, {log['compiles_in_timed']} compilations inside "
+        f"them. Run time {elapsed:.0f} s.\n\nPieces (each a process; matmul: jitted f32 2048^3, copy: a 256 MiB array, "
+        f"read + written):\n\n" + _pieces_text(pieces)
     )
     w = config.workload
     what = {"squad_multidoc": f"SQuAD `{w.source}` eval split, gold + up to {w.num_distractors} distractor paragraphs",
             "needle_haystack": f"needle in a haystack ({', '.join(w.niah_tasks)}), chunks {tuple(w.chunk_range)} tokens",
             "synthetic": f"synthetic ({', '.join(w.tasks)}), chunks {tuple(w.num_chunks)} x {tuple(w.chunk_tokens)}"}[w.name]
-    split_note = (f" {setup.num_split_chunks} chunks longer than {setup.max_chunk_tokens} tokens (the longest a chunk "
-                  "may be to stay whole in the smallest attention window) were split into pieces stored alone."
-                  if setup.num_split_chunks else "")
-    if setup.num_skipped:
-        split_note += (f" {setup.num_skipped} drawn prompts were skipped: their suffix is shorter than their last "
-                       f"partial page ({config.runtime.tokens_per_block} tokens), so a continuation would recompute chunk tokens.")
-    head = "(no full reuse / full recompute pair)\n"
-    if headline:
-        shares = ", ".join(f"{k} {v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]" for k, v in headline["recovered_share"].items())
-        head = (f"full reuse minus full recompute, gold: {headline['reuse_minus_full']:.3f} "
-                f"[{headline['lo']:.3f}, {headline['hi']:.3f}] (paired 95% CI). Share of that loss recovered at "
-                f"{sel_cfg.recompute_ratio:.0%} (bootstrap 95% CI; undefined where the loss interval holds 0): {shares}.\n\n"
-                + _significance(paired, "gold"))
+    split_note = (f" {meta['num_split_chunks']} chunks longer than {meta['max_chunk_tokens']} tokens (the longest a "
+                  "chunk may be to stay whole in the smallest attention window) were split into pieces stored alone."
+                  if meta["num_split_chunks"] else "")
+    head = "".join(_headline(h, paired, ratio) for h in headlines) or "(no full reuse / full recompute pair)\n"
+    head += _budget_headline(budgets)
     learned_text = "(not run)\n"
     if learned:
         learned_text = (f"trained on {learned['train_prompts']} training-split prompts ({learned['train_tokens']} chunk tokens), "
@@ -161,19 +263,24 @@ def write(
         + (report.markdown_table([fixed]) if fixed else "(full reuse not run)\n"))
     sections = [
         ("Setup", f"model `{config.model}`, workload: {what}; {len(records)} prompts, mean {n_mean:.0f} tokens; store "
-                  f"variant `{config.store.variant}`; recompute ratio {sel_cfg.recompute_ratio:.4g} (requested "
-                  f"{config.policy.recompute_ratio!r}); checks {sel_cfg.check_layers} budgets {sel_cfg.budgets}; "
+                  f"variant `{config.store.variant}`; recompute ratio {ratio:.4g} (requested "
+                  f"{config.policy.recompute_ratio!r}); checks {tuple(config.policy.check_layers)} budgets "
+                  f"{tuple(config.policy.budgets)}; "
                   f"N={config.eval.continuation_tokens}, answers of up to {config.eval.max_answer_tokens} tokens; backend "
-                  f"{jax.default_backend()}.{split_note}\n"),
+                  f"{', '.join(sorted({p['machine']['backend'] for p in pieces})) or 'unknown'}.{split_note}\n"),
         ("Headline", head),
         ("Policies (mean [95% bootstrap CI over prompts])",
          report.markdown_table(_display(rows, (*quality, "flop_fraction"), ("policy", "recall_vs_oracle")))),
         ("Speed (TTFT of each policy's own prefill, no compilation inside)", speed_text),
         ("Paired differences vs full recompute and vs full reuse (policy minus baseline, 95% CI)",
          report.markdown_table(paired) if paired else "(none)\n"),
-        ("Recompute ratio for 99% of full recompute's gold",
-         report.markdown_table(budgets) + f"\non the first {config.sweep.num_prompts} prompts (the sweep's), interpolated "
-         "between sweep ratios with full reuse at 0 and full recompute at 1; bootstrap 95% CI over prompts.\n"
+        ("Recompute ratio each selector needs",
+         report.markdown_table(_display_budgets(budgets))
+         + f"\non the first {min(config.sweep.num_prompts, len(records))} prompts (the sweep's): the smallest ratio "
+         f"recovering {' and '.join(f'{t:.0%}' for t in RECOVERED)} of full reuse's loss, and the one within "
+         f"{RELATIVE_DROP:.0%} of full recompute (gold_ll: per-token probability), interpolated between sweep ratios "
+         "with full reuse at 0 and full recompute at 1 (bootstrap 95% CI over prompts; NaN: not even full recompute "
+         "reaches it in a resample), and the TTFT speedup over full recompute there.\n"
          if budgets else "(no sweep)\n"),
         ("Quality vs recompute ratio", report.markdown_table(_display(sweep_rows, quality, ("policy", "ratio", "ttft_mean_s")))
          if sweep_rows else "(skipped)\n"),
@@ -182,16 +289,29 @@ def write(
         ("Deviation structure", f"share of KV deviation held by the top 15% tokens, mean over layers: "
                                 f"{np.mean(dev_stats['top15_share_by_layer']):.3f}; adjacent-layer Spearman, mean: "
                                 f"{np.nanmean(dev_stats['adjacent_spearman_by_layer']):.3f}.\n"),
-        ("Loading controller", report.markdown_table(tier_rows)
-         + f"\nchosen at the min ratio: {dataclasses.asdict(controller.decide(int(n_mean)))}\n"),
+        ("Loading controller", report.markdown_table(meta["tier_rows"])
+         + f"\nchosen at the min ratio: {meta['controller_choice']}\n"),
         ("Figures", ", ".join(sorted(p.name for p in workdir.glob("*.png"))) + "\n"),
     ]
-    report.write_summary(workdir, f"CacheBlend selectors vs full recompute ({w.name}, {config.model})", sections)
+    done = f"{len(records)} of {config.num_prompts} prompts"
+    report.write_summary(workdir, f"CacheBlend selectors vs full recompute ({w.name}, {config.model}; {done})", sections)
     return {
-        "policies": rows, "paired": paired, "headline": headline, "sweep": sweep_rows, "budget": budgets,
-        "learned": learned, "deviation": dev_stats, "controller": {"tiers": tier_rows}, "ratio": sel_cfg.recompute_ratio,
+        "policies": rows, "paired": paired, "headline": headlines, "sweep": sweep_rows, "budget": budgets,
+        "headline_text": f"{done}.\n{head}",
+        "learned": learned, "deviation": dev_stats, "controller": {"tiers": meta["tier_rows"]}, "ratio": ratio,
         "fixed_cost_ms": fixed, "fixed_fraction": fixed_fraction, "time": {**times, "prompts_per_hour": per_hour, "rss_gb": rss},
-        "timing": {**dataclasses.asdict(log), "compile_s": compiled.seconds, "programs": compiled.programs,
-                   "backend_compiles": compiled.backend_compiles},
-        "num_split_chunks": setup.num_split_chunks, "num_skipped": setup.num_skipped, "num_prompts": len(records), "run_seconds": elapsed,
+        "timing": {**log, **compiled}, "pieces": len(pieces),
+        "num_split_chunks": meta["num_split_chunks"], "num_prompts": len(records), "run_seconds": elapsed,
     }
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m experiments.cacheblend_report <run folder>")
+    results = write_folder(pathlib.Path(argv[1]))
+    print(results["headline_text"])
+    print(f"summary: {pathlib.Path(argv[1]) / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -5,7 +5,9 @@
 
 The config's ``experiment`` field names a module ``experiments.<experiment>`` whose
 ``run(config, workdir) -> dict`` does the work. The run folder receives the resolved
-config (``config.json``), ``results.json``, a markdown ``summary.md`` and any plots.
+config (``config.json``), ``results.json``, a markdown ``summary.md`` and any plots; the
+run ends by printing the results' ``headline_text`` (when the experiment gives one) and
+the path of ``summary.md``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ def main(argv: list[str]) -> None:
     results = module.run(config, workdir)
     report.write_json(workdir / "results.json", results)
     logging.info("results written to %s", workdir)
-    print(f"run folder: {workdir}")
+    if isinstance(results.get("headline_text"), str):
+        print(results["headline_text"])
+    summary = workdir / "summary.md"
+    print(f"summary: {summary}" if summary.is_file() else f"run folder: {workdir}")
 
 
 if __name__ == "__main__":

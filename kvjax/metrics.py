@@ -5,7 +5,7 @@ Host-side numpy functions over arrays read back from the device:
   deviations   per token and layer KV deviation, its concentration (share held by the top
                tokens), adjacent-layer Spearman correlation, attention deviation of rows;
   outputs      KL of next-token distributions along a teacher-forced continuation, top-1
-               agreement, first divergence;
+               agreement, first divergence, the log-likelihood of a teacher-forced gold answer;
   selection    recall against an oracle set;
   cost         recomputed FLOP fraction;
   gold         SQuAD exact match and token F1 (the official v1.1 normalisation, max over the
@@ -50,6 +50,16 @@ def first_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> int:
     exactly up to this position)."""
     differ = np.flatnonzero(~top1_agreement(ref_logits, logits))
     return int(differ[0]) if len(differ) else int(ref_logits.shape[0])
+
+
+def answer_log_likelihood(logits: np.ndarray, answer: Sequence[int]) -> float:
+    """Mean log-probability per token (nats, <= 0) of ``answer`` teacher-forced: ``logits``
+    [A, V] are the logits before each of its A tokens (the prompt's last position, then
+    after each answer token but the last)."""
+    answer = np.asarray(answer, np.int64)
+    if logits.shape[0] != len(answer) or len(answer) == 0:
+        raise ValueError(f"logits {logits.shape} must hold one row per answer token ({len(answer)}, at least 1)")
+    return float(np.take_along_axis(log_softmax(logits), answer[:, None], axis=-1).mean())
 
 
 def kv_deviation(k: np.ndarray, v: np.ndarray, k_ref: np.ndarray, v_ref: np.ndarray, kind: str = "kv") -> np.ndarray:

@@ -22,6 +22,15 @@ WORKLOADS: dict[str, Callable[..., list[rag.RagExample]]] = {
 }
 
 
+def gold_targets(example: rag.RagExample) -> tuple[str, ...]:
+    """The answer texts whose teacher-forced likelihood scores a policy (the best one counts):
+    SQuAD's distinct accepted answers; the one answer of the other workloads (a needle
+    prompt's required values joined, as ``answer``)."""
+    if example.task == squad.TASK:
+        return tuple(dict.fromkeys(a.strip() for a in example.gold_answers if a.strip()))
+    return (example.answer,)
+
+
 def gold_scores(example: rag.RagExample, generated: str) -> dict[str, float]:
     """Gold scores of a generated answer, each in [0, 1]; "gold" is the workload's headline.
 

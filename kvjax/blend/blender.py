@@ -12,8 +12,10 @@ them, and attention is causal).
 
 A run's KV stays in the engine's tree under its scope (``PolicyRun.scope``), so requests that
 continue it (``extend``: teacher forcing along a reference, a greedy answer) are ordinary
-requests under that scope: they reuse the run's pages for the whole prompt but its last
-partial block and compute only what follows, and many of them decode together.
+requests under that scope: they reuse the run's pages for every chunk token and compute only
+what follows, and many of them decode together. When chunk tokens lie in the prompt's last
+partial page, the run decodes until that page is full (``fill_tokens``), so the tree holds it
+and the continuation takes its leading tokens by partial reuse.
 
 Prompt layout (``BlendPrompt``)::
 
@@ -138,8 +140,9 @@ class Extension:
       run: the run whose committed KV serves the prompt.
       feed: tokens behind the prompt (computed over the run's KV).
       max_new_tokens: greedy tokens generated after them.
-      prompt_logits: logits kept for this many last positions of prompt + feed (teacher
-        forcing: ``len(feed) + 1`` gives the logits after the prompt and after every fed token).
+      prompt_logits: logits kept for this many last positions of prompt + feed, at most
+        ``len(feed) + 1`` (teacher forcing: ``len(feed) + 1`` gives the logits after the
+        prompt and after every fed token).
       stop_token_id: generation ends after this token; None = exactly ``max_new_tokens``.
     """
 
@@ -197,12 +200,15 @@ class Blender:
         Args:
           policy: ``FULL_RECOMPUTE`` or a ``SelectionConfig`` (its selector is the reuse mode).
           feed: tokens fed behind the prompt (teacher forcing); their logits come back too.
-          max_new_tokens: greedy tokens generated after the prompt and ``feed``.
+          max_new_tokens: greedy tokens generated after the prompt and ``feed``; at least
+            ``fill_tokens(prompt)`` are (the first token alone sets the TTFT).
           num_probes: > 0 keeps the fusor trace (probe attention, rows, fused KV).
           scores: [L, T] true deviation for the "oracle" selector.
           pipelined, timeline: ``ChunkReuse.pipelined`` and ``ChunkReuse.timeline``.
         """
         feed = check_token_ids(feed, "feed", self.engine.model.config.vocab_size)
+        if not feed:
+            max_new_tokens = max(max_new_tokens, self.fill_tokens(prompt))
         self.check_prompt(prompt, len(feed) + max_new_tokens)
         tokens = [*prompt.tokens.tolist(), *feed]
         scope = f"eval-{self._nonce}-{next(self._runs)}"
@@ -231,6 +237,16 @@ class Blender:
         checks = schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
         return PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=trace,
                          report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks)
+
+    def fill_tokens(self, prompt: BlendPrompt) -> int:
+        """Greedy tokens a run of ``prompt`` generates so that every chunk token's page is
+        committed to the tree: 1 when the chunks end inside the prompt's full pages, else
+        enough to fill the last partial page (a generated token's KV is written by the next
+        step, so one more than the page's free slots)."""
+        ps, n = self.engine.layout.tokens_per_block, prompt.roles.num_tokens
+        if n // ps * ps >= prompt.roles.suffix_start:
+            return 1
+        return -n % ps + 1
 
     def cached_kv(self, run: PolicyRun) -> tuple[np.ndarray, np.ndarray]:
         """The KV a run left in the engine's pages for its prompt's full blocks (the tokens
@@ -263,18 +279,24 @@ class Blender:
         """Runs the extensions together (their decodes batch) and returns their outputs.
 
         Each is an ordinary request of ``run.prompt + feed`` under ``run.scope``, so the run's
-        committed blocks serve its prompt; only the tokens from the last full block of the
-        prompt on are computed, over the run's KV.
+        committed blocks serve its prompt (its last partial page by partial reuse, see
+        ``fill_tokens``); only the tokens after the reused ones are computed, over the run's
+        KV. Each output's ``prompt_logits`` holds all ``ext.prompt_logits`` rows: positions
+        the run's blocks served (its prompt's last position, and fed tokens equal to the
+        run's own greedy tokens) take the run's logits there.
 
         Raises:
+          ValueError: an extension asks for more than ``len(feed) + 1`` prompt logits.
           RuntimeError: an extension failed, or recomputed chunk tokens because the run's
-            blocks were evicted or its suffix is shorter than the prompt's last partial block
-            (then its result would mix in exact KV); the message says which.
+            blocks were evicted (then its result would mix in exact KV); the message says which.
         """
         vocab = self.engine.model.config.vocab_size
         pending = []
         for i, ext in enumerate(extensions):
             feed = check_token_ids(ext.feed, f"extensions[{i}].feed", vocab)
+            if ext.prompt_logits > len(feed) + 1:
+                raise ValueError(f"extensions[{i}].prompt_logits={ext.prompt_logits} must be in [0, len(feed) + 1 = "
+                                 f"{len(feed) + 1}]: the positions before the prompt's last are the run's, not kept")
             self.check_prompt(ext.run.prompt, len(feed) + ext.max_new_tokens)
             sampling = SamplingParams(max_new_tokens=ext.max_new_tokens, ignore_eos=ext.stop_token_id is None,
                                       stop_token_id=ext.stop_token_id, prompt_logits=ext.prompt_logits)
@@ -291,10 +313,27 @@ class Blender:
                 raise RuntimeError(
                     f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens of its run's KV but the "
                     f"prompt's chunks end at token {needed} ({ext.run.prompt.describe()}): the run's blocks were evicted "
-                    f"(raise the cache size) or the suffix is shorter than a block (tokens_per_block="
-                    f"{self.engine.layout.tokens_per_block})"
+                    f"(raise the cache size)"
                 )
-        return outputs
+        return [self._served_logits(ext, out) for ext, out in zip(extensions, outputs)]
+
+    @staticmethod
+    def _served_logits(ext: Extension, out: RequestOutput) -> RequestOutput:
+        """``out`` with the kept prompt positions the run's blocks served prepended from the
+        run's logits (row i of ``run.logits`` is position ``n - 1 + i`` of the run's
+        sequence, n = its prompt's tokens, and reuse guarantees the tokens up to there match)."""
+        if not ext.prompt_logits:
+            return out
+        computed = np.zeros((0, *ext.run.logits.shape[1:]), np.float32) if out.prompt_logits is None else out.prompt_logits
+        missing = ext.prompt_logits - len(computed)
+        if missing <= 0:
+            return out
+        first = len(ext.feed) + 1 - ext.prompt_logits  # run row of the first kept position
+        served = ext.run.logits[first : first + missing]
+        if len(served) < missing:
+            raise RuntimeError(f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens, past the "
+                               f"{len(ext.run.logits)} positions whose logits its run kept")
+        return dataclasses.replace(out, prompt_logits=np.concatenate([served, computed]))
 
     def exact_prefix_len(self, prompt: BlendPrompt) -> int:
         """Tokens whose stored KV is exact: the prefix, plus chunk 0 when it was stored behind it."""

@@ -123,13 +123,18 @@ def measure_tier(layout: CacheLayout, tier: str, throttle: TierThrottle, num_tok
     return TierSpec(tier, 1.0 / per_byte, latency, cost_rank=TIERS[::-1].index(tier))
 
 
-def _recompute_key(cfg: ModelConfig, layout: CacheLayout, num_tokens: int, rows: Sequence[int], attn_impl: str) -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's name for it where there is no /proc."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:  # no /proc (not Linux): the platform's name stands for the CPU
-        cpu = cpu
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        return cpu
+
+
+def _recompute_key(cfg: ModelConfig, layout: CacheLayout, num_tokens: int, rows: Sequence[int], attn_impl: str) -> str:
+    cpu = cpu_name()
     parts = (cfg.name, cfg.num_layers, cfg.d_model, layout.layer_windows, layout.tokens_per_block, layout.num_kv_heads,
              layout.head_dim, layout.dtype, num_tokens, tuple(rows), attn_impl, jax.__version__, jax.default_backend(),
              jax.device_count(), cpu)

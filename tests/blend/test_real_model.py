@@ -114,8 +114,7 @@ def test_an_extension_continues_the_runs_fused_kv(smollm2):
 
 def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
     """When the prompt fills its last page, the run's blocks serve every prompt token: the
-    extension computes only the fed rows, and the logits after the prompt are the run's own
-    (what the experiment prepends)."""
+    extension computes only the fed rows, and the logits after the prompt are the run's own."""
     from kvjax.blend.blender import Extension
 
     ex = make_examples(smollm2.tokenizer, num=1, seed=6, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
@@ -127,6 +126,35 @@ def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
     feed = tuple(smollm2.tokenizer.encode(" so the key is", add_bos=False))
     inside = blender.run(prompt, policy, feed=feed)
     run = blender.run(prompt, policy)
+    assert len(run.tokens) == 1  # nothing to fill
     [forced] = blender.extend([Extension(run, feed, prompt_logits=len(feed) + 1)])
-    assert forced.num_reused_tokens == prompt.roles.num_tokens and len(forced.prompt_logits) == len(feed)
-    assert rel_err(np.concatenate([run.logits[:1], forced.prompt_logits]), inside.logits[: len(feed) + 1]) <= 1e-4
+    assert forced.num_reused_tokens == prompt.roles.num_tokens and len(forced.prompt_logits) == len(feed) + 1
+    assert rel_err(forced.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
+
+
+@pytest.mark.parametrize("suffix_tokens", [1, 3])
+def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_kv(smollm2, suffix_tokens):
+    """Chunk tokens in the prompt's last partial page: the run decodes until that page is
+    committed, and the extension takes every chunk token from it by partial reuse, so teacher
+    forcing and the greedy answer equal feeding the tokens inside the blended request."""
+    from kvjax.blend.blender import Extension
+
+    ex = make_examples(smollm2.tokenizer, num=1, seed=7, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    trim = (len(ex.prefix) + sum(map(len, ex.chunks)) - 8) % 16  # the chunks end 8 tokens into a page
+    prompt = BlendPrompt(ex.prefix, (*ex.chunks[:-1], ex.chunks[-1][: len(ex.chunks[-1]) - trim]), ex.suffix[-suffix_tokens:])
+    n, ps = prompt.roles.num_tokens, 16
+    assert n >= 512 and n // ps * ps < prompt.roles.suffix_start  # the last chunk ends inside the partial page
+    blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=ps)
+    policy = SelectionConfig(selector="cacheblend", recompute_ratio=0.15)
+    feed = tuple(smollm2.tokenizer.encode(" and so the answer is", add_bos=False))
+    inside = blender.run(prompt, policy, feed=feed, max_new_tokens=4)
+    run = blender.run(prompt, policy)
+    assert len(run.tokens) == blender.fill_tokens(prompt) == -n % ps + 1
+    forced, greedy, answer = blender.extend([Extension(run, feed, prompt_logits=len(feed) + 1),
+                                             Extension(run, feed, max_new_tokens=4), Extension(run, (), max_new_tokens=4)])
+    assert min(o.num_reused_tokens for o in (forced, greedy, answer)) >= prompt.roles.suffix_start
+    assert len(forced.prompt_logits) == len(feed) + 1
+    assert rel_err(forced.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
+    assert greedy.output == inside.tokens and answer.output == run.tokens[:4]
+    with pytest.raises(ValueError, match=r"prompt_logits=3 must be in \[0, len\(feed\) \+ 1 = 2\]"):
+        blender.extend([Extension(run, feed[:1], prompt_logits=3)])

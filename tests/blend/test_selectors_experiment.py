@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from configs import cacheblend_rag
-from experiments import cacheblend, cacheblend_eval
+from experiments import cacheblend, cacheblend_eval, cacheblend_report
+from experiments.cacheblend_report import RECORDS, read_lines
 from kvjax.testing.byte_tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full suite, not the fast loop
@@ -54,7 +55,7 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
     assert full["kl"] == pytest.approx(0.0, abs=1e-6) and full["top1"] == 1.0 and full["flop_fraction"] == 1.0
     assert full["speedup"] == 1.0
     for row in rows.values():
-        assert {"f1", "em", "gold"} <= set(row) and row["gold"] == row["f1"]
+        assert {"f1", "em", "gold", "gold_ll"} <= set(row) and row["gold"] == row["f1"] and row["gold_ll"] < 0
         assert row["gold_lo"] <= row["gold"] <= row["gold_hi"]
         assert row["speedup_lo"] <= row["speedup"] <= row["speedup_hi"]
     assert rows["full_reuse"]["kl"] > rows["cacheblend"]["kl"] > 0
@@ -64,10 +65,11 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
     assert timing["compiles_in_timed"] == 0 and timing["timed_runs"] >= 2 * len(config.policies)
     paired = {(r["policy"], r["metric"], r["baseline"]) for r in results["paired"]}
     for name in config.policies:
-        for metric in ("gold", "f1", "em"):
+        for metric in ("gold_ll", "gold", "f1", "em"):
             assert name == "full_recompute" or (name, metric, "full_recompute") in paired
             assert name == "full_reuse" or (name, metric, "full_reuse") in paired
-    assert set(results["headline"]["recovered_share"]) == {"cacheblend", "learned"}
+    assert [h["metric"] for h in results["headline"]] == ["gold_ll", "gold"]
+    assert all(set(h["recovered_share"]) == {"cacheblend", "learned"} for h in results["headline"])
     learned = results["learned"]
     assert learned["train_prompts"] == config.learned.train_prompts
     assert set(learned["train_recall"]) >= {"learned", "kv_deviation", "attention"}
@@ -75,21 +77,41 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
     sweep = {(r["policy"], r["ratio"]): r for r in results["sweep"]}
     assert set(sweep) == {("learned", r) for r in config.sweep.ratios}
     assert sweep[("learned", 0.5)]["kl"] < sweep[("learned", 0.15)]["kl"]
-    [budget] = results["budget"]
-    assert budget["policy"] == "learned" and 0.0 <= budget["lo"] <= budget["ratio_at_99"] <= budget["hi"] <= 1.0
-    for name in ("policy_quality", "gold_vs_ratio", "kl_vs_ratio", "kv_deviation_cdf", "pareto_ttft", "pareto_flops"):
+    assert [(b["policy"], b["metric"]) for b in results["budget"]] == [("learned", "gold_ll"), ("learned", "gold")]
+    for budget in results["budget"]:
+        for share in ("95%", "99%"):
+            lo, ratio, hi = (budget[f"ratio_{share}{end}"] for end in ("_lo", "", "_hi"))
+            assert 0.0 <= lo <= ratio <= hi <= 1.0 and budget[f"speedup_{share}"] > 0
+    for name in ("policy_quality", "gold_vs_ratio", "gold_ll_vs_ratio", "kl_vs_ratio", "kv_deviation_cdf", "pareto_ttft",
+                 "pareto_flops"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     summary = (tmp_path / "summary.md").read_text()
-    assert "## Headline" in summary and "full reuse minus full recompute, gold" in summary
-    assert "not significantly different" in summary and "prompts per hour" in summary
-    assert np.isfinite(results["headline"]["reuse_minus_full"])
-    records = (tmp_path / cacheblend.RECORDS).read_text().splitlines()
+    assert summary.startswith(f"# CacheBlend selectors vs full recompute (squad_multidoc, smollm2-135m; 2 of 2 prompts)")
+    assert "## Headline" in summary and "**gold_ll**: full reuse minus full recompute" in summary
+    assert "not significantly different" in summary and "prompts per hour" in summary and "## Recompute ratio" in summary
+    assert all(np.isfinite(h["reuse_minus_full"]) for h in results["headline"])
+    records = (tmp_path / RECORDS).read_text().splitlines()
     assert len(records) == config.num_prompts
 
     resumed = cacheblend.run(config, tmp_path)  # every prompt is read back, none run again
-    assert resumed["timing"]["timed_runs"] == 0  # the controller's measurements are read back from the cache too
+    assert resumed["pieces"] == 2 and resumed["timing"]["timed_runs"] == results["timing"]["timed_runs"]
     assert [r["gold"] for r in resumed["policies"]] == [r["gold"] for r in results["policies"]]
     assert [r["ttft_mean_s"] for r in resumed["policies"]] == [r["ttft_mean_s"] for r in results["policies"]]
+    summary = (tmp_path / "summary.md").read_text()
+    (tmp_path / "summary.md").unlink()
+    cacheblend_report.write_folder(tmp_path)
+    assert (tmp_path / "summary.md").read_text() == summary  # the report regenerates from the folder alone
+
+    pieces = tmp_path / "pieces"  # the same run in two pieces: the same records
+    config.piece.max_prompts = 1
+    first = cacheblend.run(config, pieces)
+    assert first["num_prompts"] == 1 and first["headline_text"].startswith("1 of 2 prompts")
+    config.piece.max_prompts = 0
+    assert cacheblend.run(config, pieces)["pieces"] == 2
+    quality = ("kl", "top1", "gold_ll", "gold", "answer", "flop_fraction")
+    scored = [[(k, [v[m] for m in quality]) for k, v in sorted(r["runs"].items())] for r in read_lines(pieces / RECORDS)]
+    straight = [[(k, [v[m] for m in quality]) for k, v in sorted(r["runs"].items())] for r in read_lines(tmp_path / RECORDS)]
+    assert scored == straight
     other = cacheblend_rag.get_config("tiny")
     other.eval.continuation_tokens = 6
     with pytest.raises(ValueError, match=r"holds results of another config \(fields \['eval'\] differ\)"):

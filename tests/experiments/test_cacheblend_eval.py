@@ -1,6 +1,7 @@
-"""The CacheBlend experiment's evaluation logic without a model: chunk splitting, continuable
-prompts, answer extraction, the ratio needed for 99% of full recompute's gold, bootstrap
-statistics, and timing that never includes a compilation."""
+"""The CacheBlend experiment's evaluation logic without a model: chunk splitting, answer
+extraction, the gold-answer likelihood, the ratio a selector needs for a share of full
+reuse's loss or a relative drop, significance with a tolerance, bootstrap statistics, and
+timing that never includes a compilation."""
 
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ def test_long_chunks_are_split_into_near_equal_pieces_keeping_every_token():
     assert none == 0 and same == ex
 
 
-def test_continuable_needs_the_suffix_to_cover_the_last_partial_page():
-    # 3 + 100 + 20 = 123 tokens; a continuation reuses 122 // 16 * 16 = 112 >= 103 chunk-end
-    assert ev.continuable(example((100,), suffix=20), 16)
-    # suffix 5: 108 tokens, reuse 107 // 16 * 16 = 96 < 103
-    assert not ev.continuable(example((100,), suffix=5), 16)
-    assert ev.continuable(example((100,), suffix=5), 1)
+def test_answer_log_likelihood_is_the_mean_log_probability_of_each_answer_token():
+    logits = np.log(np.asarray([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]))
+    assert metrics.answer_log_likelihood(logits, [0, 1]) == pytest.approx((np.log(0.5) + np.log(0.8)) / 2)
+    assert metrics.answer_log_likelihood(logits + 7.0, [2, 0]) == pytest.approx((np.log(0.25) + np.log(0.1)) / 2)
+    with pytest.raises(ValueError, match="one row per answer token"):
+        metrics.answer_log_likelihood(logits, [0])
 
 
 def test_answers_skip_leading_newlines_and_stop_at_the_next_stop_token():
@@ -53,16 +54,58 @@ def test_answers_skip_leading_newlines_and_stop_at_the_next_stop_token():
     assert ev.answer_text(tok, [newline] * 3, (newline,)) == ("", 3)
 
 
-def test_ratio_at_quality_interpolates_between_sweep_points():
+def test_ratio_at_goal_interpolates_between_sweep_points():
     ratios = [0.05, 0.15, 0.3, 0.5]
     gold = np.asarray([[0.2, 0.2], [0.5, 0.5], [0.8, 0.8], [1.0, 1.0]])
     reuse, full = np.zeros(2), np.ones(2)
-    assert ev.ratio_at_quality(ratios, gold, reuse, full) == pytest.approx(0.3 + 0.19 / 0.2 * 0.2)
-    assert ev.ratio_at_quality(ratios, gold, np.ones(2), full) == 0.0  # full reuse already reaches it
+    assert ev.ratio_at_goal(ratios, gold, reuse, full, 0.99) == pytest.approx(0.3 + 0.19 / 0.2 * 0.2)
+    assert ev.ratio_at_goal(ratios, gold, np.ones(2), full, 0.99) == 0.0  # full reuse already reaches it
     never = np.full((4, 2), 0.5)
-    assert ev.ratio_at_quality(ratios, never, reuse, full) == pytest.approx(0.5 + 0.49 / 0.5 * 0.5)
-    batched = ev.ratio_at_quality(ratios, np.stack([gold, never]), np.stack([reuse, reuse]), np.stack([full, full]))
+    assert ev.ratio_at_goal(ratios, never, reuse, full, 0.99) == pytest.approx(0.5 + 0.49 / 0.5 * 0.5)
+    assert np.isnan(ev.ratio_at_goal(ratios, never, reuse, full, 1.5))  # not even full recompute reaches it
+    batched = ev.ratio_at_goal(ratios, np.stack([gold, never]), np.stack([reuse, reuse]), np.stack([full, full]),
+                               np.asarray([0.99, 0.99]))
     np.testing.assert_allclose(batched, [0.49, 0.99])
+
+
+def test_goals_are_a_share_of_the_loss_or_a_relative_drop():
+    assert ev.goal("gold", 0.2, 0.6, recovered=0.95) == pytest.approx(0.58)
+    assert ev.goal("gold", 0.2, 0.6) == pytest.approx(0.594)
+    # gold_ll (nats per token, <= 0): 1% less per-token probability than full recompute's
+    assert np.exp(ev.goal(ev.LIKELIHOOD, -2.0, -1.0)) == pytest.approx(0.99 * np.exp(-1.0))
+    np.testing.assert_allclose(ev.goal(ev.LIKELIHOOD, np.asarray([-2.0, -3.0]), np.asarray([-1.0, -1.0]), recovered=0.5),
+                               [-1.5, -2.0])
+
+
+def test_budget_rows_read_each_share_and_the_relative_drop_on_the_sweep():
+    prompts, ratios = 6, (0.1, 0.3)
+    full = [{"gold_ll": -1.0, "gold": 1.0, "ttft_s": 1.0} for _ in range(prompts)]
+    reuse = [{"gold_ll": -2.0, "gold": 0.0, "ttft_s": 0.2} for _ in range(prompts)]
+    sweep = {("cacheblend", r): [{"gold_ll": -2.0 + 2 * r, "gold": 2 * r, "ttft_s": 0.2 + r} for _ in range(prompts)]
+             for r in ratios}
+    rows = ev.budget_rows(sweep, {"full_recompute": full, "full_reuse": reuse}, 200, 0)
+    assert [(r["policy"], r["metric"]) for r in rows] == [("cacheblend", "gold_ll"), ("cacheblend", "gold")]
+    for row in rows:  # the curve: 0 -> 0, 0.1 -> 0.2, 0.3 -> 0.6, 1 -> 1 (as a share of the loss)
+        assert row["ratio_95%"] == pytest.approx(0.3 + 0.35 / 0.4 * 0.7)
+        assert row["ratio_95%_lo"] == pytest.approx(row["ratio_95%"])  # identical prompts: no spread
+        ttft = np.interp(row["ratio_95%"], [0, 0.1, 0.3, 1], [0.2, 0.3, 0.5, 1.0])
+        assert row["speedup_95%"] == pytest.approx(1.0 / ttft)
+    gold_ll, gold = rows
+    assert gold["ratio_1% drop"] == pytest.approx(0.3 + 0.39 / 0.4 * 0.7)
+    share = (np.log(0.99) + 1.0) / 1.0  # gold_ll goal -1 + log(0.99), reached on the last segment
+    assert gold_ll["ratio_1% drop"] == pytest.approx(0.3 + (share - 0.6) / 0.4 * 0.7)
+
+
+def test_significance_needs_the_interval_and_a_difference_above_the_tolerance():
+    per_policy = {
+        "full_recompute": [{"kl": 0.0, "gold": g} for g in (1.0, 0.0, 1.0, 1.0)],
+        "prefix_caching": [{"kl": 1e-11 * (1 + i), "gold": g} for i, g in enumerate((1.0, 0.0, 1.0, 1.0))],
+        "full_reuse": [{"kl": 0.5 + 0.1 * i, "gold": 0.0} for i in range(4)],
+    }
+    rows = {(r["policy"], r["metric"]): r for r in ev.paired_rows(per_policy, "full_recompute", ("kl", "gold"), 300, 0)}
+    assert rows[("prefix_caching", "kl")]["lo"] > 0 and not rows[("prefix_caching", "kl")]["significant"]
+    assert rows[("full_reuse", "kl")]["significant"] and rows[("full_reuse", "kl")]["tolerance"] == ev.TOLERANCE["kl"]
+    assert not rows[("prefix_caching", "gold")]["significant"]
 
 
 def test_bootstrap_statistic_of_a_ratio_of_means():
@@ -80,7 +123,7 @@ def test_recovered_share_has_an_interval_and_speedup_is_a_ratio_of_total_ttft():
         "full_reuse": [{"gold": g, "ttft_s": 0.2} for g in (0.0, 0.0, 0.0, 1.0)],
         "cacheblend": [{"gold": g, "ttft_s": t} for g, t in ((1.0, 0.2), (0.0, 0.6), (0.0, 0.2), (1.0, 0.2))],
     }
-    headline = ev.recovery(per_policy, 500, 0)
+    headline = ev.recovery(per_policy, 500, 0, "gold")
     share, lo, hi = headline["recovered_share"]["cacheblend"]
     assert share == pytest.approx(0.5) and lo <= share <= hi
     speed = ev.speed_row(per_policy["cacheblend"], per_policy["full_recompute"], 500, 0)
