@@ -82,7 +82,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.eval.max_answer_tokens = 16  # greedy answer budget (gold scores)
     config.eval.num_probes = 16  # suffix rows traced for attention deviation
     config.eval.detail_prompts = 1  # first prompts with per-layer KV / attention deviation (a traced run per policy)
-    config.eval.decode_batch = 8  # answers decoded together (engine max_batch_size; their runs stay cached meanwhile)
+    config.eval.decode_batch = 8  # runs scored together: their teacher-forced extensions and answers batch (engine max_batch_size; the runs stay cached meanwhile)
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
     config.piece = ml_collections.ConfigDict()

@@ -130,7 +130,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     """Runs one piece of the experiment (or all of it), resuming from the records in
     ``workdir``; writes tables, plots and summary.md from every record the folder holds."""
     _check_piece(config)
-    started = time.perf_counter()
+    started, code = time.perf_counter(), _head()
     compiles = compile_counter()
     compile_start = dataclasses.replace(compiles)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -196,7 +196,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         del ref, results
     compiled = compiles.since(compile_start)
     pieces = read_lines(workdir / PIECES)
-    piece = {"piece": len(pieces), "prompts": scored, "seconds": time.perf_counter() - started, "code": _head(),
+    piece = {"piece": len(pieces), "prompts": scored, "seconds": time.perf_counter() - started, "code": code,
              "machine": {"cpu": loading_controller.cpu_name(), "cores": os.cpu_count(),
                          "backend": jax.default_backend(), **machine_limits()},
              "timing": dataclasses.asdict(log), "compile_s": compiled.seconds, "programs": compiled.programs,

@@ -6,14 +6,13 @@ prompts.
 
 Per prompt and policy there is one prefill, timed alone with nothing compiling in it
 (``timed`` re-runs a prefill that compiled). Its KV stays in the engine's tree under the
-run's scope, and two ordinary requests continue it (``Blender.extend``): the reference's
-greedy continuation of N tokens fed behind the prompt (teacher forcing: the policy's
-logits at every position along the reference), each gold answer fed the same way (its mean
-log-probability per token, ``gold_ll``), and, when the policy's top-1 leaves the
-reference inside the answer, its own greedy answer from there (which ends at the stop
-token when the fed tokens already started the answer). The answers of all policies
-of a prompt decode together. The reference itself is the full-recompute request, generating
-N tokens.
+run's scope, and ordinary requests continue it (``Blender.extend``, the runs of
+``eval.decode_batch`` policies together): the reference's greedy continuation of N tokens
+fed behind the prompt (teacher forcing: the policy's logits at every position along the
+reference), each gold answer fed the same way (its mean log-probability per token,
+``gold_ll``), and, when the policy's top-1 leaves the reference inside the answer, its own
+greedy answer from there (which ends at the stop token when the fed tokens already started
+the answer). The reference itself is the full-recompute request, generating N tokens.
 
 Shapes: L = layers, T = prompt tokens, K = kv heads, d = head_dim, V = vocab, N = continuation,
 P = probe rows, H = heads.
@@ -359,14 +358,31 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
     n, cfg, tok = prompt.roles.num_tokens, setup.model.config, setup.model.tokenizer
     budget = config.eval.max_answer_tokens
     results: dict[str, dict] = {}
-    pending: dict[str, Extension] = {}  # greedy answers to decode, decoded together while the runs' KV is cached
+    scoring: list[tuple[str, PolicyRun]] = []  # runs whose teacher-forced extensions go together
+    answers = answer_tokens(setup, example)
+    continuation = tuple(ref.continuation[:-1].tolist())
 
-    def decode_answers() -> None:
+    def score_runs() -> None:
+        """The waiting runs' teacher-forced continuations and gold answers in one ``extend``,
+        then the greedy answers of those whose top-1 leaves the reference inside the answer,
+        decoded together (every run's KV is cached meanwhile)."""
+        per_run = 1 + len(answers)
+        outputs = setup.blender.extend([ext for _, run in scoring for ext in (
+            Extension(run, continuation, prompt_logits=len(ref.continuation)), *_answer_extensions(run, answers))])
+        pending: dict[str, Extension] = {}
+        for i, (key, run) in enumerate(scoring):
+            forced, *golds = outputs[i * per_run : (i + 1) * per_run]
+            out = results[key]
+            out.update(_quality(ref, forced.prompt_logits), **{LIKELIHOOD: _best_likelihood(golds, answers)})
+            if out["first_div"] < ref.answer_len:
+                div = out["first_div"]
+                feed = ref.continuation[:div]
+                stop = setup.stop_ids[-1] if answer_started(tok, feed, setup.stop_ids) else None  # then a stop token ends it
+                pending[key] = Extension(run, tuple(feed.tolist()), max_new_tokens=budget - div, stop_token_id=stop)
         for (key, ext), out in zip(pending.items(), setup.blender.extend(list(pending.values()))):
             results[key]["answer"], _ = answer_text(tok, [*ext.feed, *out.output], setup.stop_ids)
-        pending.clear()
+        scoring.clear()
 
-    answers = answer_tokens(setup, example)
     traced: list[tuple[str, selection.SelectionConfig]] = []
     done: dict[selection.SelectionConfig | str, str] = {}  # a sweep point at the run's ratio is the policy's own run
     for key, name, pol in runs:
@@ -375,30 +391,25 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
             continue
         done[pol] = key
         if pol == FULL_RECOMPUTE:
+            gold_ll = _best_likelihood(setup.blender.extend(_answer_extensions(ref.run, answers)), answers)
             results[key] = {"ttft_s": ref.run.ttft_s, "kl": 0.0, "top1": 1.0, "first_div": len(ref.continuation),
                             "answer_agree": 1.0, "flop_fraction": 1.0, "recall_vs_oracle": 1.0, "phases": {},
-                            "answer": ref.answer, LIKELIHOOD: _best_likelihood(setup.blender.extend(_answer_extensions(ref.run, answers)), answers)}
+                            "answer": ref.answer, LIKELIHOOD: gold_ll}
             continue
         run = timed(setup, prompt, pol, log, scores=ref.true_dev)
-        forced, *golds = setup.blender.extend([Extension(run, tuple(ref.continuation[:-1].tolist()),
-                                                         prompt_logits=len(ref.continuation)),
-                                               *_answer_extensions(run, answers)])
-        out = results[key] = _quality(ref, forced.prompt_logits)
-        out[LIKELIHOOD] = _best_likelihood(golds, answers)
         report = run.report
-        out.update(ttft_s=run.ttft_s, flop_fraction=metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
-                   recall_vs_oracle=_recall_vs_oracle(prompt, pol.recompute_ratio, ref, report.recomputed),
-                   phases={"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}}, answer=ref.answer)
-        if out["first_div"] < ref.answer_len:
-            div = out["first_div"]
-            feed = ref.continuation[:div]
-            stop = setup.stop_ids[-1] if answer_started(tok, feed, setup.stop_ids) else None  # then a stop token ends it
-            pending[key] = Extension(run, tuple(feed.tolist()), max_new_tokens=budget - div, stop_token_id=stop)
+        results[key] = {
+            "ttft_s": run.ttft_s, "flop_fraction": metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
+            "recall_vs_oracle": _recall_vs_oracle(prompt, pol.recompute_ratio, ref, report.recomputed),
+            "phases": {"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}}, "answer": ref.answer,
+        }
+        scoring.append((key, run))
         if detailed and "@" not in key:
             traced.append((key, pol))
-        if len(pending) >= config.eval.decode_batch:
-            decode_answers()
-    decode_answers()
+        if len(scoring) >= config.eval.decode_batch:
+            score_runs()
+    if scoring:
+        score_runs()
     for key, pol in traced:  # after the answers: their runs' blocks are the oldest in the cache
         results[key].update(_deviations(setup, prompt, pol, ref, config))
     results = {key: dict(out) for key, out in results.items()}  # sweep points at the run's ratio get their own copy

@@ -120,6 +120,7 @@ class PolicyRun:
       scope: the cache scope the run's KV was committed under (``extend`` continues it).
       prompt: the run's prompt.
       qkv_checks: check layers of a deviation schedule.
+      feed: the tokens fed behind the prompt.
     """
 
     logits: np.ndarray
@@ -130,6 +131,7 @@ class PolicyRun:
     scope: str
     prompt: BlendPrompt
     qkv_checks: tuple[int, ...] = ()
+    feed: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +238,7 @@ class Blender:
         logits = np.stack(out.logits) if out.prompt_logits is None else np.concatenate([out.prompt_logits, *(x[None] for x in out.logits[1:])])
         checks = schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
         return PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=trace,
-                         report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks)
+                         report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks, feed=feed)
 
     def fill_tokens(self, prompt: BlendPrompt) -> int:
         """Greedy tokens a run of ``prompt`` generates so that every chunk token's page is
@@ -282,8 +284,9 @@ class Blender:
         committed blocks serve its prompt (its last partial page by partial reuse, see
         ``fill_tokens``); only the tokens after the reused ones are computed, over the run's
         KV. Each output's ``prompt_logits`` holds all ``ext.prompt_logits`` rows: positions
-        the run's blocks served (its prompt's last position, and fed tokens equal to the
-        run's own greedy tokens) take the run's logits there.
+        served from the cache (the prompt's last position, fed tokens equal to the run's own
+        greedy tokens, or to those of a sibling extension that committed them first) take
+        the logits computed there (``_served_logits``).
 
         Raises:
           ValueError: an extension asks for more than ``len(feed) + 1`` prompt logits.
@@ -315,25 +318,46 @@ class Blender:
                     f"prompt's chunks end at token {needed} ({ext.run.prompt.describe()}): the run's blocks were evicted "
                     f"(raise the cache size)"
                 )
-        return [self._served_logits(ext, out) for ext, out in zip(extensions, outputs)]
+        return self._served_logits(extensions, outputs)
 
     @staticmethod
-    def _served_logits(ext: Extension, out: RequestOutput) -> RequestOutput:
-        """``out`` with the kept prompt positions the run's blocks served prepended from the
-        run's logits (row i of ``run.logits`` is position ``n - 1 + i`` of the run's
-        sequence, n = its prompt's tokens, and reuse guarantees the tokens up to there match)."""
-        if not ext.prompt_logits:
-            return out
-        computed = np.zeros((0, *ext.run.logits.shape[1:]), np.float32) if out.prompt_logits is None else out.prompt_logits
-        missing = ext.prompt_logits - len(computed)
-        if missing <= 0:
-            return out
-        first = len(ext.feed) + 1 - ext.prompt_logits  # run row of the first kept position
-        served = ext.run.logits[first : first + missing]
-        if len(served) < missing:
-            raise RuntimeError(f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens, past the "
-                               f"{len(ext.run.logits)} positions whose logits its run kept")
-        return dataclasses.replace(out, prompt_logits=np.concatenate([served, computed]))
+    def _served_logits(extensions: Sequence[Extension], outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``outputs`` with every kept prompt position's logits: a position whose KV was
+        served from the cache (the run's blocks, or blocks a sibling extension of the same run
+        committed first) takes the logits computed there by whoever computed it with the same
+        tokens up to it: the run (row i of ``run.logits`` is position ``n - 1 + i`` of prompt +
+        feed + generated) or that sibling.
+
+        Raises:
+          RuntimeError: no run or sibling computed some kept position.
+        """
+        known: dict[tuple[int, ...], np.ndarray] = {}  # tokens through position p -> logits at p
+
+        def learn(tokens: tuple[int, ...], rows: np.ndarray, first: int) -> None:
+            for i, row in enumerate(rows):
+                known.setdefault(tokens[: first + i + 1], row)
+
+        runs = {id(ext.run): ext.run for ext in extensions}
+        for run in runs.values():
+            learn((*run.prompt.tokens.tolist(), *run.feed, *run.tokens), run.logits, run.prompt.roles.num_tokens - 1)
+        for ext, out in zip(extensions, outputs):
+            if out.prompt_logits is not None:
+                tokens = (*ext.run.prompt.tokens.tolist(), *ext.feed)
+                learn(tokens, out.prompt_logits, len(tokens) - len(out.prompt_logits))
+        completed = []
+        for ext, out in zip(extensions, outputs):
+            have = 0 if out.prompt_logits is None else len(out.prompt_logits)
+            if ext.prompt_logits <= have:
+                completed.append(out)
+                continue
+            tokens = (*ext.run.prompt.tokens.tolist(), *ext.feed)
+            positions = range(len(tokens) - ext.prompt_logits, len(tokens))
+            missing = [p for p in positions if tokens[: p + 1] not in known]
+            if missing:
+                raise RuntimeError(f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens, but no run or "
+                                   f"sibling extension computed the logits at positions {missing}")
+            completed.append(dataclasses.replace(out, prompt_logits=np.stack([known[tokens[: p + 1]] for p in positions])))
+        return completed
 
     def exact_prefix_len(self, prompt: BlendPrompt) -> int:
         """Tokens whose stored KV is exact: the prefix, plus chunk 0 when it was stored behind it."""

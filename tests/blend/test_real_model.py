@@ -158,3 +158,25 @@ def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_k
     assert greedy.output == inside.tokens and answer.output == run.tokens[:4]
     with pytest.raises(ValueError, match=r"prompt_logits=3 must be in \[0, len\(feed\) \+ 1 = 2\]"):
         blender.extend([Extension(run, feed[:1], prompt_logits=3)])
+
+
+def test_extensions_sharing_fed_tokens_get_every_logit_from_whoever_computed_it(smollm2):
+    """Two extensions of one run whose fed tokens start alike: the second is deferred until
+    the first has committed the page they share (prefix-aware scheduling) and reuses it past
+    the prompt; its logits there come from the first, and equal feeding inside the run."""
+    from kvjax.blend.blender import Extension
+
+    ex = make_examples(smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
+    prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[(n + 1) % 16 :])  # n = 15 (mod 16): one fed token fills the page
+    assert prompt.roles.num_tokens % 16 == 15 and prompt.roles.num_tokens >= 512 and len(prompt.suffix) >= 16
+    blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=16)
+    policy = SelectionConfig(selector="cacheblend", recompute_ratio=0.15)
+    first = tuple(smollm2.tokenizer.encode(" the key is seven", add_bos=False))
+    second = (first[0], *smollm2.tokenizer.encode(" value was nine", add_bos=False))
+    run = blender.run(prompt, policy)
+    a, b = blender.extend([Extension(run, first, prompt_logits=len(first) + 1), Extension(run, second, prompt_logits=len(second) + 1)])
+    assert b.num_reused_tokens > prompt.roles.num_tokens  # it reused the page the first extension committed
+    for feed, out in ((first, a), (second, b)):
+        inside = blender.run(prompt, policy, feed=feed)
+        assert len(out.prompt_logits) == len(feed) + 1 and rel_err(out.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
