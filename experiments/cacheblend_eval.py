@@ -236,7 +236,7 @@ def timed(setup: Setup, prompt: BlendPrompt, pol: selection.SelectionConfig | st
     scores = None if pol == FULL_RECOMPUTE else scores
     for _ in range(MAX_WARMUPS):
         run, compiled = compilations_during(
-            lambda: setup.blender.run(prompt, pol, scores=scores, max_new_tokens=max_new_tokens))
+            lambda: setup.blender.run(prompt, pol, scores=scores, max_new_tokens=max_new_tokens, fill_last_page=True))
         if not compiled.programs:
             log.timed_runs += 1
             return run

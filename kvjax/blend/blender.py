@@ -14,8 +14,8 @@ A run's KV stays in the engine's tree under its scope (``PolicyRun.scope``), so 
 continue it (``extend``: teacher forcing along a reference, a greedy answer) are ordinary
 requests under that scope: they reuse the run's pages for every chunk token and compute only
 what follows, and many of them decode together. When chunk tokens lie in the prompt's last
-partial page, the run decodes until that page is full (``fill_tokens``), so the tree holds it
-and the continuation takes its leading tokens by partial reuse.
+partial page, a run with ``fill_last_page`` decodes until that page is full (``fill_tokens``),
+so the tree holds it and the continuation takes its leading tokens by partial reuse.
 
 Prompt layout (``BlendPrompt``)::
 
@@ -196,20 +196,23 @@ class Blender:
         scores: np.ndarray | None = None,
         pipelined: bool = True,
         timeline: bool = False,
+        fill_last_page: bool = False,
     ) -> PolicyRun:
         """Runs one policy on ``prompt`` to completion (the engine must be otherwise idle for timing).
 
         Args:
           policy: ``FULL_RECOMPUTE`` or a ``SelectionConfig`` (its selector is the reuse mode).
           feed: tokens fed behind the prompt (teacher forcing); their logits come back too.
-          max_new_tokens: greedy tokens generated after the prompt and ``feed``; at least
-            ``fill_tokens(prompt)`` are (the first token alone sets the TTFT).
+          max_new_tokens: greedy tokens generated after the prompt and ``feed``.
           num_probes: > 0 keeps the fusor trace (probe attention, rows, fused KV).
           scores: [L, T] true deviation for the "oracle" selector.
           pipelined, timeline: ``ChunkReuse.pipelined`` and ``ChunkReuse.timeline``.
+          fill_last_page: generate at least ``fill_tokens(prompt)`` tokens, so that ``extend``
+            can continue the run over every chunk token (the first token alone sets the TTFT;
+            ``logits[0]`` stays the logits after the prompt).
         """
         feed = check_token_ids(feed, "feed", self.engine.model.config.vocab_size)
-        if not feed:
+        if fill_last_page and not feed:
             max_new_tokens = max(max_new_tokens, self.fill_tokens(prompt))
         self.check_prompt(prompt, len(feed) + max_new_tokens)
         tokens = [*prompt.tokens.tolist(), *feed]
@@ -291,7 +294,8 @@ class Blender:
         Raises:
           ValueError: an extension asks for more than ``len(feed) + 1`` prompt logits.
           RuntimeError: an extension failed, or recomputed chunk tokens because the run's
-            blocks were evicted (then its result would mix in exact KV); the message says which.
+            blocks were evicted or its chunks end in its last partial page and it ran without
+            ``fill_last_page`` (then its result would mix in exact KV); the message says which.
         """
         vocab = self.engine.model.config.vocab_size
         pending = []
@@ -316,7 +320,7 @@ class Blender:
                 raise RuntimeError(
                     f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens of its run's KV but the "
                     f"prompt's chunks end at token {needed} ({ext.run.prompt.describe()}): the run's blocks were evicted "
-                    f"(raise the cache size)"
+                    f"(raise the cache size) or, as its chunks end in its last partial page, it ran without fill_last_page"
                 )
         return self._served_logits(extensions, outputs)
 

@@ -125,7 +125,7 @@ def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
     policy = SelectionConfig(selector="epic", recompute_ratio=0.15)
     feed = tuple(smollm2.tokenizer.encode(" so the key is", add_bos=False))
     inside = blender.run(prompt, policy, feed=feed)
-    run = blender.run(prompt, policy)
+    run = blender.run(prompt, policy, fill_last_page=True)
     assert len(run.tokens) == 1  # nothing to fill
     [forced] = blender.extend([Extension(run, feed, prompt_logits=len(feed) + 1)])
     assert forced.num_reused_tokens == prompt.roles.num_tokens and len(forced.prompt_logits) == len(feed) + 1
@@ -148,7 +148,7 @@ def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_k
     policy = SelectionConfig(selector="cacheblend", recompute_ratio=0.15)
     feed = tuple(smollm2.tokenizer.encode(" and so the answer is", add_bos=False))
     inside = blender.run(prompt, policy, feed=feed, max_new_tokens=4)
-    run = blender.run(prompt, policy)
+    run = blender.run(prompt, policy, fill_last_page=True)
     assert len(run.tokens) == blender.fill_tokens(prompt) == -n % ps + 1
     forced, greedy, answer = blender.extend([Extension(run, feed, prompt_logits=len(feed) + 1),
                                              Extension(run, feed, max_new_tokens=4), Extension(run, (), max_new_tokens=4)])
