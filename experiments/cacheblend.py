@@ -90,9 +90,8 @@ def _meta(setup: ev.Setup, controller, n_mean: float, ratio: float, tier_rows: l
             "num_split_chunks": setup.num_split_chunks, "max_chunk_tokens": setup.max_chunk_tokens}
 
 
-def _commit(workdir: pathlib.Path, message: str) -> str:
-    """Commits ``workdir``'s files (nothing else) to the git repository holding it; returns
-    the new commit's hash.
+def _commit(workdir: pathlib.Path, message: str) -> None:
+    """Commits ``workdir``'s files (nothing else) to the git repository holding it.
 
     Raises:
       RuntimeError: ``workdir`` is not inside a git work tree, or git failed (its message).
@@ -105,7 +104,6 @@ def _commit(workdir: pathlib.Path, message: str) -> str:
 
     git("add", "--", ".")
     git("commit", "--quiet", "-m", message, "--", ".")
-    return git("rev-parse", "HEAD")
 
 
 def _head() -> str:
@@ -140,9 +138,9 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     prompts = setup.prompts
     n_mean = float(np.mean([p.roles.num_tokens for p in prompts]))
     log = ev.TimingLog()
-    for chunk in prompts[0].chunks:
-        setup.store.put(chunk)
-    if state is None:
+    if state is None:  # the first piece measures the controller (on the first prompt's chunks) and trains the scorer
+        for chunk in prompts[0].chunks:
+            setup.store.put(chunk)
         controller, tier_rows = ev.controller_table(config, setup, workdir, int(n_mean))
         ratio = _ratio(config, controller, int(n_mean))
         sel_cfg = ev.selection_config(config, ratio)

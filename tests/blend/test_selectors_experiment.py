@@ -86,7 +86,7 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
                  "pareto_flops"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     summary = (tmp_path / "summary.md").read_text()
-    assert summary.startswith(f"# CacheBlend selectors vs full recompute (squad_multidoc, smollm2-135m; 2 of 2 prompts)")
+    assert summary.startswith("# CacheBlend selectors vs full recompute (squad_multidoc, smollm2-135m; 2 of 2 prompts)")
     assert "## Headline" in summary and "**gold_ll**: full reuse minus full recompute" in summary
     assert "not significantly different" in summary and "prompts per hour" in summary and "## Recompute ratio" in summary
     assert all(np.isfinite(h["reuse_minus_full"]) for h in results["headline"])
@@ -116,3 +116,23 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
     other.eval.continuation_tokens = 6
     with pytest.raises(ValueError, match=r"holds results of another config \(fields \['eval'\] differ\)"):
         cacheblend.run(other, tmp_path)
+
+
+def test_a_piece_commits_its_run_folder_and_nothing_else(tmp_path):
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "other.txt").write_text("not the run's\n")
+    run = tmp_path / "docs" / "results" / "run"
+    run.mkdir(parents=True)
+    (run / "per_prompt.jsonl").write_text('{"index": 0}\n')
+    cacheblend._commit(run, "Results: piece 0")
+    assert git("log", "--format=%s").strip() == "Results: piece 0"
+    assert git("show", "--name-only", "--format=").split() == ["docs/results/run/per_prompt.jsonl"]
+    with pytest.raises(RuntimeError, match="piece.commit: git commit"):
+        cacheblend._commit(run, "nothing new")  # nothing to commit: git's message is carried
