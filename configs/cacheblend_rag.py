@@ -70,6 +70,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         "full_recompute", "prefix_caching", "full_reuse", *config.sweep.policies, "oracle",
     )  # compared at the ratio
     config.sweep.num_prompts = 0  # first evaluation prompts used by the sweep (0 = skip; :paper sweeps every prompt)
+    config.sweep.batched = True  # the points of one ratio prefill together (TTFT modelled from the timed runs); False: each timed alone
 
     config.learned = ml_collections.ConfigDict()
     config.learned.train_prompts = 4  # training-split prompts of the learned scorer (disjoint from evaluation)

@@ -341,9 +341,34 @@ def _deviations(setup: Setup, prompt: BlendPrompt, pol: selection.SelectionConfi
     }
 
 
+def _model_ttft(results: dict[str, dict], timed_keys: Sequence[str]) -> None:
+    """Sets ``ttft_s`` of the batched sweep points (``ttft_batch_s``, the batch's time, is no
+    one variant's) from the prompt's blended runs timed alone: the least-squares line of
+    their TTFT against their FLOP fraction (the blended prefill costs a fixed part plus one
+    proportional to the rows it recomputes, ``loading_controller.RecomputeCost``), at each
+    point's FLOP fraction; ``ttft_modelled`` marks them.
+
+    Raises:
+      ValueError: fewer than two timed blended runs with distinct FLOP fractions.
+    """
+    flops = np.asarray([results[k]["flop_fraction"] for k in timed_keys])
+    ttft = np.asarray([results[k]["ttft_s"] for k in timed_keys])
+    if len(np.unique(flops)) < 2:
+        raise ValueError(f"the batched sweep's TTFT is modelled on the prompt's blended runs timed alone: got {list(timed_keys)}, "
+                         "which need two distinct FLOP fractions (add full_reuse to the policies, or set sweep.batched=False)")
+    slope, fixed = np.polyfit(flops, ttft, 1)
+    for out in results.values():
+        if "ttft_batch_s" in out:
+            out["ttft_s"], out["ttft_modelled"] = float(fixed + slope * out["flop_fraction"]), True
+
+
 def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str, str, selection.SelectionConfig | str]],
                     ref: Reference, config: ml_collections.ConfigDict, log: TimingLog, *, detailed: bool) -> dict[str, dict]:
     """Every run of one prompt against its reference.
+
+    Each policy's prefill is timed alone; with ``sweep.batched`` the sweep points ("epic@0.3")
+    of one ratio run together instead (``Blender.run_together``: one batched blended prefill)
+    and their TTFT is modelled (``_model_ttft``).
 
     Args:
       runs: (key, policy name, policy) per run; keys are unique ("cacheblend", "epic@0.3", ...).
@@ -351,8 +376,9 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
 
     Returns:
       {key: metrics}: ttft_s, kl, top1, first_div, answer_agree, gold_ll, the gold scores and answer,
-      flop_fraction, recall_vs_oracle, phases (seconds of the blended prefill's parts), and
-      with ``detailed`` dev_selected, dev_unselected, attn_dev [L].
+      flop_fraction, recall_vs_oracle, phases (seconds of the blended prefill's parts), for a
+      batched sweep point ttft_batch_s and ttft_modelled, and with ``detailed``
+      dev_selected, dev_unselected, attn_dev [L].
     """
     prompt = BlendPrompt(example.prefix, example.chunks, example.suffix)
     n, cfg, tok = prompt.roles.num_tokens, setup.model.config, setup.model.tokenizer
@@ -383,20 +409,7 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
             results[key]["answer"], _ = answer_text(tok, [*ext.feed, *out.output], setup.stop_ids)
         scoring.clear()
 
-    traced: list[tuple[str, selection.SelectionConfig]] = []
-    done: dict[selection.SelectionConfig | str, str] = {}  # a sweep point at the run's ratio is the policy's own run
-    for key, name, pol in runs:
-        if pol in done:
-            results[key] = results[done[pol]]
-            continue
-        done[pol] = key
-        if pol == FULL_RECOMPUTE:
-            gold_ll = _best_likelihood(setup.blender.extend(_answer_extensions(ref.run, answers)), answers)
-            results[key] = {"ttft_s": ref.run.ttft_s, "kl": 0.0, "top1": 1.0, "first_div": len(ref.continuation),
-                            "answer_agree": 1.0, "flop_fraction": 1.0, "recall_vs_oracle": 1.0, "phases": {},
-                            "answer": ref.answer, LIKELIHOOD: gold_ll}
-            continue
-        run = timed(setup, prompt, pol, log, scores=ref.true_dev)
+    def blended(key: str, run: PolicyRun, pol: selection.SelectionConfig) -> None:
         report = run.report
         results[key] = {
             "ttft_s": run.ttft_s, "flop_fraction": metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
@@ -404,12 +417,42 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
             "phases": {"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}}, "answer": ref.answer,
         }
         scoring.append((key, run))
-        if detailed and "@" not in key:
-            traced.append((key, pol))
         if len(scoring) >= config.eval.decode_batch:
             score_runs()
+
+    traced: list[tuple[str, selection.SelectionConfig]] = []
+    together: dict[float, list[tuple[str, selection.SelectionConfig]]] = {}  # sweep points batched per ratio
+    done: dict[selection.SelectionConfig | str, str] = {}  # a sweep point at the run's ratio is the policy's own run
+    for key, name, pol in runs:
+        if pol in done:
+            results[key] = results[done[pol]]
+            continue
+        done[pol] = key
+        if "@" in key and config.sweep.batched:
+            together.setdefault(pol.recompute_ratio, []).append((key, pol))
+            continue
+        if pol == FULL_RECOMPUTE:
+            gold_ll = _best_likelihood(setup.blender.extend(_answer_extensions(ref.run, answers)), answers)
+            results[key] = {"ttft_s": ref.run.ttft_s, "kl": 0.0, "top1": 1.0, "first_div": len(ref.continuation),
+                            "answer_agree": 1.0, "flop_fraction": 1.0, "recall_vs_oracle": 1.0, "phases": {},
+                            "answer": ref.answer, LIKELIHOOD: gold_ll}
+            continue
+        run = timed(setup, prompt, pol, log, scores=ref.true_dev)
+        if detailed and "@" not in key:
+            traced.append((key, pol))
+        blended(key, run, pol)
+    timed_keys = [key for key in results if key in done.values() and "@" not in key and results[key]["phases"]]
+    for points in together.values():
+        if scoring:
+            score_runs()  # only the batch's runs and their extensions hold pages meanwhile
+        batch = setup.blender.run_together(prompt, [pol for _, pol in points], scores=ref.true_dev, fill_last_page=True)
+        for (key, pol), run in zip(points, batch):
+            blended(key, run, pol)
+            results[key]["ttft_batch_s"] = results[key].pop("ttft_s")
     if scoring:
         score_runs()
+    if together:
+        _model_ttft(results, timed_keys)
     for key, pol in traced:  # after the answers: their runs' blocks are the oldest in the cache
         results[key].update(_deviations(setup, prompt, pol, ref, config))
     results = {key: dict(out) for key, out in results.items()}  # sweep points at the run's ratio get their own copy

@@ -202,6 +202,7 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
     sweep_rows = [ci_row(name, results, nboot, seed, ratio=r, ttft_mean_s=float(np.mean([p["ttft_s"] for p in results])))
                   for (name, r), results in sweep_results.items() if results]
     budgets = budget_rows(sweep_results, per_policy, nboot, seed)
+    modelled = any(p.get("ttft_modelled") for results in sweep_results.values() for p in results)
     if sweep_rows:
         report.write_csv(workdir / "ratio_sweep.csv", sweep_rows)
         report.write_csv(workdir / "budget.csv", budgets)
@@ -280,7 +281,10 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
          f"recovering {' and '.join(f'{t:.0%}' for t in RECOVERED)} of full reuse's loss, and the one within "
          f"{RELATIVE_DROP:.0%} of full recompute (gold_ll: per-token probability), interpolated between sweep ratios "
          "with full reuse at 0 and full recompute at 1 (bootstrap 95% CI over prompts; NaN: not even full recompute "
-         "reaches it in a resample), and the TTFT speedup over full recompute there.\n"
+         "reaches it in a resample), and the TTFT speedup over full recompute there."
+         + (" The sweep points of one ratio prefilled together (sweep.batched), so their TTFT is modelled: per prompt, "
+            "the least-squares line of the blended runs timed alone (TTFT against FLOP fraction) at each point's FLOP "
+            "fraction; the ratio column does not depend on it.\n" if modelled else "\n")
          if budgets else "(no sweep)\n"),
         ("Quality vs recompute ratio", report.markdown_table(_display(sweep_rows, quality, ("policy", "ratio", "ttft_mean_s")))
          if sweep_rows else "(skipped)\n"),

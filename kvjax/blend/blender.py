@@ -185,10 +185,15 @@ class Blender:
                 f"max_seq_len is {self.engine.max_seq_len}"
             )
 
-    def run(
+    def run(self, prompt: BlendPrompt, policy: SelectionConfig | str, **options: object) -> PolicyRun:
+        """Runs one policy on ``prompt`` to completion (the engine must be otherwise idle for
+        timing): ``run_together`` with one policy and the same options."""
+        return self.run_together(prompt, [policy], **options)[0]
+
+    def run_together(
         self,
         prompt: BlendPrompt,
-        policy: SelectionConfig | str,
+        policies: Sequence[SelectionConfig | str],
         *,
         feed: Sequence[int] = (),
         max_new_tokens: int = 1,
@@ -197,14 +202,18 @@ class Blender:
         pipelined: bool = True,
         timeline: bool = False,
         fill_last_page: bool = False,
-    ) -> PolicyRun:
-        """Runs one policy on ``prompt`` to completion (the engine must be otherwise idle for timing).
+    ) -> list[PolicyRun]:
+        """Runs policies on ``prompt`` as requests submitted together, to completion. Their
+        blended prefills run as one batch (``fusor.blend_prefill``: each layer's reused KV read
+        once, the variants' rows through each layer together), so each run's ``ttft_s`` is the
+        batch's; one policy alone is timed alone (the engine must be otherwise idle).
 
         Args:
-          policy: ``FULL_RECOMPUTE`` or a ``SelectionConfig`` (its selector is the reuse mode).
+          policies: each ``FULL_RECOMPUTE`` or a ``SelectionConfig`` (its selector is the reuse mode).
           feed: tokens fed behind the prompt (teacher forcing); their logits come back too.
           max_new_tokens: greedy tokens generated after the prompt and ``feed``.
-          num_probes: > 0 keeps the fusor trace (probe attention, rows, fused KV).
+          num_probes: > 0 keeps the fusor trace (probe attention, rows, fused KV); such runs
+            prefill one by one.
           scores: [L, T] true deviation for the "oracle" selector.
           pipelined, timeline: ``ChunkReuse.pipelined`` and ``ChunkReuse.timeline``.
           fill_last_page: generate at least ``fill_tokens(prompt)`` tokens, so that ``extend``
@@ -216,32 +225,37 @@ class Blender:
             max_new_tokens = max(max_new_tokens, self.fill_tokens(prompt))
         self.check_prompt(prompt, len(feed) + max_new_tokens)
         tokens = [*prompt.tokens.tolist(), *feed]
-        scope = f"eval-{self._nonce}-{next(self._runs)}"
         sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, return_logits=True)
-        if isinstance(policy, str):
-            if policy != FULL_RECOMPUTE or feed or num_probes:
-                raise ValueError(f"policy={policy!r}: the only named policy is {FULL_RECOMPUTE!r}, without feed or probes")
-            rid = self.engine.submit(tokens, sampling, cache_salt=scope, retention=EVALUATION_RETENTION)
-        else:
-            spans = prompt.roles.chunk_spans
-            if scores is not None:
-                scores = np.pad(scores, ((0, 0), (0, max(0, len(tokens) + self.token_bucket - scores.shape[1]))))
-            reuse = ChunkReuse(
-                self.store, spans, policy, num_prompt_logits=len(feed) + 1, num_probes=num_probes, scores=scores,
-                scope=scope, token_bucket=self.token_bucket, pipelined=pipelined, timeline=timeline,
-            )
-            rid = self.engine.submit(tokens, sampling, chunks=reuse, retention=EVALUATION_RETENTION)
-            scope = reuse.salt
-        record = self.engine.requests[rid]
-        while not record.finished:
+        if scores is not None:
+            scores = np.pad(scores, ((0, 0), (0, max(0, len(tokens) + self.token_bucket - scores.shape[1]))))
+        submitted = []
+        for policy in policies:
+            scope = f"eval-{self._nonce}-{next(self._runs)}"
+            if isinstance(policy, str):
+                if policy != FULL_RECOMPUTE or feed or num_probes:
+                    raise ValueError(f"policy={policy!r}: the only named policy is {FULL_RECOMPUTE!r}, without feed or probes")
+                rid = self.engine.submit(tokens, sampling, cache_salt=scope, retention=EVALUATION_RETENTION)
+            else:
+                reuse = ChunkReuse(
+                    self.store, prompt.roles.chunk_spans, policy, num_prompt_logits=len(feed) + 1, num_probes=num_probes,
+                    scores=scores, scope=scope, token_bucket=self.token_bucket, pipelined=pipelined, timeline=timeline,
+                )
+                rid = self.engine.submit(tokens, sampling, chunks=reuse, retention=EVALUATION_RETENTION)
+                scope = reuse.salt
+            submitted.append((policy, rid, scope))
+        while not all(self.engine.requests[rid].finished for _, rid, _ in submitted):
             self.engine.step()
-        trace, out = record.blend_trace, self.engine.pop_output(rid)
-        if out.error is not None:
-            raise RuntimeError(f"policy {policy!r} failed in request {rid!r}: {out.error}")
-        logits = np.stack(out.logits) if out.prompt_logits is None else np.concatenate([out.prompt_logits, *(x[None] for x in out.logits[1:])])
-        checks = schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
-        return PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=trace,
-                         report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks, feed=feed)
+        done = [(self.engine.requests[rid].blend_trace, self.engine.pop_output(rid)) for _, rid, _ in submitted]
+        for (policy, rid, _), (_, out) in zip(submitted, done):
+            if out.error is not None:
+                raise RuntimeError(f"policy {policy!r} failed in request {rid!r}: {out.error}")
+        runs = []
+        for (policy, _, scope), (trace, out) in zip(submitted, done):
+            logits = np.stack(out.logits) if out.prompt_logits is None else np.concatenate([out.prompt_logits, *(x[None] for x in out.logits[1:])])
+            checks = schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
+            runs.append(PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=trace,
+                                  report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks, feed=feed))
+        return runs
 
     def fill_tokens(self, prompt: BlendPrompt) -> int:
         """Greedy tokens a run of ``prompt`` generates so that every chunk token's page is

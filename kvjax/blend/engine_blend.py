@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import jax
 import numpy as np
@@ -65,6 +65,7 @@ from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
 from kvjax.engine import table_width
 from kvjax.engine.page_ops import LayerwiseOnboard, apply_page_ops, split_layerwise
+from kvjax.engine.requests import ChunkedWork
 from kvjax.engine.runner import StepContext
 from kvjax.manager.hashing import InternalScope
 
@@ -159,11 +160,20 @@ class ChunkReuse:
         """Rows the prefill recomputes, averaged over layers (the scheduler's charge)."""
         return estimated_rows(self.roles(num_tokens), self.selection, num_layers)
 
-    def prefill(
-        self, context: StepContext, request_id: str, prompt: Sequence[int], num_cached: int
-    ) -> tuple[jax.Array, dict | None, BlendReport]:
-        """The engine's call for this request's prompt: ``blended_prefill`` with these chunks."""
-        return blended_prefill(context, request_id, prompt, num_cached, self)
+    def batch_key(self, prompt: Sequence[int], num_cached: int) -> Hashable | None:
+        """Requests with equal keys prefill together in one ``blended_prefill`` (the same
+        prompt, chunks, store and cached tokens; their selections may differ); None = alone
+        (a traced or timed request)."""
+        if self.num_probes or self.timeline:
+            return None
+        scope = self.salt if num_cached else None  # cached tokens are read from the scope's pages
+        return (id(self.store), self.spans, tuple(prompt), num_cached, scope, self.num_prompt_logits, self.token_bucket,
+                self.pipelined)
+
+    def prefill(self, context: StepContext, batch: Sequence[ChunkedWork]) -> list[tuple[jax.Array, dict | None, BlendReport]]:
+        """The engine's call for the prompts of ``batch`` (this request's first, the others
+        with its ``batch_key``): ``blended_prefill``."""
+        return blended_prefill(context, batch)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,22 +211,26 @@ class BlendReport:
     timeline: dict[str, list[dict]] | None = None
 
 
-def blended_prefill(
-    context: StepContext, request_id: str, prompt: tuple[int, ...], num_cached: int, reuse: ChunkReuse
-) -> tuple[jax.Array, dict | None, BlendReport]:
-    """Blended prefill of a scheduled request into its allocated pages.
+def blended_prefill(context: StepContext, batch: Sequence[ChunkedWork]) -> list[tuple[jax.Array, dict | None, BlendReport]]:
+    """Blended prefill of scheduled requests (one, or several with one ``batch_key``: the same
+    prompt and chunks under different selections) into their allocated pages. The chunks are
+    looked up and their slots placed once; ``fusor.blend_prefill`` reads each layer's reused
+    KV once for all of them.
 
     Args:
       context: the engine's step context (weights, model config, layout, manager); its pool
         takes the pages the prefill writes.
-      prompt: the request's tokens; its pages cover them all.
-      num_cached: leading tokens whose KV its pages already hold (blend-scope match).
+      batch: the requests; each one's pages cover its whole prompt.
 
     Returns:
-      (logits [reuse.num_prompt_logits, V] of the last prompt positions, trace or None
-      (``fusor.blend_prefill``), report).
+      per request: (logits [reuse.num_prompt_logits, V] of the last prompt positions, trace
+      or None (``fusor.BlendResult``), report).
     """
     t0 = time.perf_counter()
+    head = batch[0]
+    reuse, prompt, num_cached = head.reuse, head.prompt, head.num_cached
+    if any(w.reuse.batch_key(w.prompt, w.num_cached) != reuse.batch_key(prompt, num_cached) for w in batch[1:]):
+        raise ValueError("the requests of one blended prefill must share their prompt, chunks and cached tokens (batch_key)")
     store, manager, layout = reuse.store, context.manager, context.layout
     cfg = context.cfg
     n = len(prompt)
@@ -224,11 +238,12 @@ def blended_prefill(
     p = roles.prefix_len
     padded = round_up(n, reuse.token_bucket)
     ps = layout.tokens_per_block
-    own = [manager.block_table(request_id, g) for g in range(layout.num_groups)]
+    own = [[manager.block_table(w.request_id, g) for g in range(layout.num_groups)] for w in batch]
     # Tokens matched in the blend scope: their fused KV is already in the request's own pages
-    # (a windowed group shows the null page outside its window; no row attends there).
+    # (a windowed group shows the null page outside its window; no row attends there); the
+    # requests of a batch with cached tokens share one scope, so those pages are the same.
     cached = np.arange(num_cached)
-    page_ids, offsets, valid = sequence_slots(own, cached, cached, padded, ps)  # page_ids: per layer group
+    page_ids, offsets, valid = sequence_slots(own[0], cached, cached, padded, ps)  # page_ids: per layer group
 
     def place(slots: tuple[np.ndarray, ...]) -> None:
         page_ids[:, slots[2]], offsets[slots[2]], valid[slots[2]] = slots[0][:, slots[2]], slots[1][slots[2]], True
@@ -286,35 +301,37 @@ def blended_prefill(
         store.stats.missed_tokens += int(missed.sum())
         forced_mask = (idx >= num_cached) & (idx < n) & ~in_spans & ~((idx < p) & valid)
         exact_len = p + (len(chunks[0]) if prefix_in_store and roles.chunk_spans[0][0] == p else 0)
-        sel = plan(
-            Roles(num_tokens=n, prefix_len=max(num_cached, p), chunk_spans=tuple(spans), suffix_start=roles.suffix_start),
-            reuse.selection, padded, cfg.num_layers, forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
-            num_cached=num_cached, exact_len=exact_len, scores=reuse.scores,
-        )
         width = table_width(layout.pages_for(padded))
-        block_table = np.full((len(own), width), NULL_PAGE, np.int32)
-        for g, table in enumerate(own):
-            block_table[g, : len(table)] = table
         positions = np.where(idx < n, idx, -1).astype(np.int32)
         tokens = np.zeros(padded, np.int32)
         tokens[:n] = prompt
         probes = np.full(reuse.num_probes, -1, np.int32)
         suffix = np.arange(roles.suffix_start, n)[: reuse.num_probes]
         probes[: len(suffix)] = suffix
-        inputs = BlendInputs(
-            tokens=tokens, positions=positions, page_ids=page_ids, offsets=offsets, reused=valid, deltas=deltas,
-            selectable=in_spans, forced=forced_mask, rows=sel.rows, rows_valid=sel.rows_valid, counts=sel.counts,
-            block_table=block_table, length=np.asarray([n], np.int32), probes=probes, num_cached=np.int32(num_cached),
-        )
-        blend_plan = BlendPlan(checks=sel.checks, score=sel.score, num_probes=reuse.num_probes,
-                               num_logits=reuse.num_prompt_logits)
+        inputs, plans = [], []
+        for work, tables in zip(batch, own):
+            sel = plan(
+                Roles(num_tokens=n, prefix_len=max(num_cached, p), chunk_spans=tuple(spans), suffix_start=roles.suffix_start),
+                work.reuse.selection, padded, cfg.num_layers, forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
+                num_cached=num_cached, exact_len=exact_len, scores=work.reuse.scores,
+            )
+            block_table = np.full((len(tables), width), NULL_PAGE, np.int32)
+            for g, table in enumerate(tables):
+                block_table[g, : len(table)] = table
+            inputs.append(BlendInputs(
+                tokens=tokens, positions=positions, page_ids=page_ids, offsets=offsets, reused=valid, deltas=deltas,
+                selectable=in_spans, forced=forced_mask, rows=sel.rows, rows_valid=sel.rows_valid, counts=sel.counts,
+                block_table=block_table, length=np.asarray([n], np.int32), probes=probes, num_cached=np.int32(num_cached),
+            ))
+            plans.append(BlendPlan(checks=sel.checks, score=sel.score, num_probes=reuse.num_probes,
+                                   num_logits=reuse.num_prompt_logits))
         load_s = time.perf_counter() - t0
         phases: dict[str, float] = {}
         compute = ComputeTimeline() if reuse.timeline else None
         try:
-            logits, context.pool, recomputed, trace = blend_prefill(
-                context.params, context.pool, inputs, cfg=cfg, layout=layout, plan=blend_plan,
-                attn_impl=context.attn_impl, phases=phases, fetch=loader.fetch if loader else None, timeline=compute,
+            results, context.pool = blend_prefill(
+                context.params, context.pool, inputs, plans, cfg=cfg, layout=layout, attn_impl=context.attn_impl,
+                phases=phases, fetch=loader.fetch if loader else None, timeline=compute,
             )
         except PrefillInterrupted as stop:
             context.pool = stop.pool
@@ -328,21 +345,25 @@ def blended_prefill(
         store.release(lease)
         if prefix_lease is not None:
             store.release(prefix_lease)
-    if trace is not None:
-        trace["k"], trace["v"] = trace["k"][:, :n], trace["v"][:, :n]
     timeline = None
     if compute is not None:
         def since(events: list[dict]) -> list[dict]:
             return [{k: x - t0 if k.endswith("_s") else x for k, x in e.items()} for e in events]
 
         timeline = {"load": since(loader.events if loader else []), "compute": since(compute.events)}
-    report = BlendReport(
-        num_cached=num_cached, prefix_hit=prefix_hit, chunk_hit=chunk_hit, num_forced=int(forced_mask.sum()),
-        num_missed=int(missed.sum()), onboarded_pages=store.stats.onboarded_pages - onboarded,
-        layerwise_pages=len(later), load_s=load_s, phases=phases, recomputed=np.asarray(recomputed)[:, :n],
-        timeline=timeline,
-    )
-    return logits, trace, report
+    out = []
+    for result in results:
+        trace = result.trace
+        if trace is not None:
+            trace["k"], trace["v"] = trace["k"][:, :n], trace["v"][:, :n]
+        report = BlendReport(
+            num_cached=num_cached, prefix_hit=prefix_hit, chunk_hit=chunk_hit, num_forced=int(forced_mask.sum()),
+            num_missed=int(missed.sum()), onboarded_pages=store.stats.onboarded_pages - onboarded,
+            layerwise_pages=len(later), load_s=load_s, phases=phases, recomputed=np.asarray(result.recomputed)[:, :n],
+            timeline=timeline,
+        )
+        out.append((result.logits, trace, report))
+    return out
 
 
 __all__ = ["BlendReport", "ChunkReuse", "blended_prefill"]

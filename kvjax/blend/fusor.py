@@ -22,10 +22,12 @@ Only one layer's reused KV is held at a time, so layer l + 1's KV can still be o
 from a slower tier while layer l computes (``fetch``: ``kvjax.engine.page_ops.LayerwiseOnboard``).
 Decoding then continues with ``transformer.forward`` like after any prefill.
 ``blend_prefill`` is the only layer loop; the engine runs it for every request submitted
-with chunks (``kvjax.blend.engine_blend``). Recomputing every row reproduces full recompute;
+with chunks (``kvjax.blend.engine_blend``), for several variants of one prompt at once when
+they share a step (steps 1 and 5 once per layer, the rows of one capacity through steps 2-4
+as one batch, each variant over its own fused KV). Recomputing every row reproduces full recompute;
 recomputing only the suffix is full KV reuse.
 
-Shapes: L = layers, T = padded prompt tokens, M = recomputed row capacity, K = kv heads,
+Shapes: B = variants of the prompt prefilled together, L = layers, T = padded prompt tokens, M = recomputed row capacity, K = kv heads,
 H = heads, d = head_dim, D = d_model, V = vocab, P = probe rows, pages_per_seq = block-table width,
 G = layer groups (one per attention window: each group has its own pages and block table; a
 windowed layer's rows attend only inside its window).
@@ -38,7 +40,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import flax.struct
 import jax
@@ -240,16 +242,19 @@ def read_layer(k_pages: Pages, v_pages: Pages, inputs: BlendInputs, *, cfg: Mode
 
 
 def write_layer_fused(
-    k_pages: Pages, v_pages: Pages, seq_k: jax.Array, seq_v: jax.Array, inputs: BlendInputs, *, layout: CacheLayout, layer: int
+    k_pages: Pages, v_pages: Pages, seq_k: jax.Array, seq_v: jax.Array, block_tables: jax.Array, inputs: BlendInputs, *,
+    layout: CacheLayout, layer: int,
 ) -> tuple[Pages, Pages]:
-    """Writes one layer's fused KV ([T, K, d]) into the sequence's pages, except the
-    ``num_cached`` leading tokens (pages the tree already holds, possibly shared). Traceable.
+    """Writes one layer's fused KV of B variants of the prompt (seq_k, seq_v: [B, T, K, d])
+    into each variant's pages (block_tables: [B, G, pages_per_seq]), except the ``num_cached``
+    leading tokens (pages the tree already holds, possibly shared). Traceable.
 
-    The pages written (the request's own, past ``num_cached``) are never slots ``read_layer``
+    The pages written (the requests' own, past ``num_cached``) are never slots ``read_layer``
     reads, so a layer can be written as soon as it is fused."""
     write_pos = jnp.where(inputs.positions >= inputs.num_cached, inputs.positions, -1)  # [T]
-    page_ids, offsets = slot_mapping(inputs.block_table[layout.layer_group[layer]][None], write_pos[None], layout.tokens_per_block)
-    return (write_layer(k_pages, page_ids, offsets, seq_k[None]), write_layer(v_pages, page_ids, offsets, seq_v[None]))
+    write_pos = jnp.broadcast_to(write_pos, seq_k.shape[:2])  # [B, T]
+    page_ids, offsets = slot_mapping(block_tables[:, layout.layer_group[layer]], write_pos, layout.tokens_per_block)
+    return write_layer(k_pages, page_ids, offsets, seq_k), write_layer(v_pages, page_ids, offsets, seq_v)
 
 
 def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInputs) -> RowState:
@@ -326,7 +331,9 @@ def _check_phase(
         rows, seq_k, seq_v, out = blend_layer(
             params.layers[layer], cfg, layout, layer, rows, seq_k, seq_v, inputs, check, score, attn_impl,
         )
-        k_pages[layer], v_pages[layer] = write_layer_fused(k_pages[layer], v_pages[layer], seq_k, seq_v, inputs, layout=layout, layer=layer)
+        k_pages[layer], v_pages[layer] = write_layer_fused(
+            k_pages[layer], v_pages[layer], seq_k[None], seq_v[None], inputs.block_table[None], inputs, layout=layout, layer=layer,
+        )
         masks.append(_recomputed(inputs, rows))
         if num_probes:
             probes.append(_probe_attention(inputs, rows, out))
@@ -343,6 +350,7 @@ def layer_step(
     k_pages: Pages,
     v_pages: Pages,
     inputs: BlendInputs,
+    block_tables: jax.Array,
     *,
     cfg: ModelConfig,
     layout: CacheLayout,
@@ -350,28 +358,41 @@ def layer_step(
     num_probes: int,
     attn_impl: attention.Impl,
 ) -> tuple[RowState, Pages, Pages, jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
-    """One layer without a check as its own program: reads the layer's reused KV from its
-    pages (donated), runs ``blend_layer`` and writes the fused KV back into the sequence's pages.
+    """One layer without a check for B variants of one prompt, as one program: reads the
+    layer's reused KV from its pages (donated) once, runs ``blend_layer`` for each variant's
+    rows over its own copy (vmapped: the variants' rows go through the projections and the MLP
+    as one batch, each attends to its own fused KV) and writes each fused KV into its pages.
 
     ``layer`` only fixes the RoPE base, scaling and window, so one compiled step serves every
-    layer with the same three and the same page shapes (see ``representative_layer``). It
-    does not read ``inputs.rows``, ``rows_valid`` or ``counts`` (``blend_prefill`` passes them
-    empty).
+    layer with the same three and the same shapes (see ``representative_layer``). It does not
+    read ``inputs.rows``, ``rows_valid``, ``counts`` or ``block_table`` (``blend_prefill``
+    passes them empty).
+
+    Args:
+      rows: the variants' rows, stacked: idx, valid [B, M], x [B, M, D].
+      block_tables: [B, G, pages_per_seq] int32 each variant's pages.
 
     Returns:
-      (rows, k_pages, v_pages, recomputed [T] bool, with ``num_probes`` (probe attention
-      [P, H*d], fused k, v [T, K, d]) else None).
+      (rows [B, M], k_pages, v_pages, recomputed [B, T] bool, with ``num_probes`` (probe
+      attention [B, P, H*d], fused k, v [B, T, K, d]) else None).
     """
     seq_k, seq_v = read_layer(k_pages, v_pages, inputs, cfg=cfg, layout=layout, layer=layer)
-    rows, seq_k, seq_v, out = blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, CheckScore(), attn_impl)
-    k_pages, v_pages = write_layer_fused(k_pages, v_pages, seq_k, seq_v, inputs, layout=layout, layer=layer)
-    trace = (_probe_attention(inputs, rows, out), seq_k, seq_v) if num_probes else None
-    return rows, k_pages, v_pages, _recomputed(inputs, rows), trace
+
+    def variant(rows: RowState) -> tuple[RowState, jax.Array, jax.Array, jax.Array]:
+        return blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, CheckScore(), attn_impl)
+
+    rows, fused_k, fused_v, out = jax.vmap(variant)(rows)
+    k_pages, v_pages = write_layer_fused(k_pages, v_pages, fused_k, fused_v, block_tables, inputs, layout=layout, layer=layer)
+    recomputed = jax.vmap(lambda r: _recomputed(inputs, r))(rows)
+    trace = (jax.vmap(lambda r, o: _probe_attention(inputs, r, o))(rows, out), fused_k, fused_v) if num_probes else None
+    return rows, k_pages, v_pages, recomputed, trace
 
 
-_NO_INITIAL_ROWS = dict(rows=np.zeros(0, np.int32), rows_valid=np.zeros(0, bool), counts=np.zeros(0, np.int32))
-"""``BlendInputs`` fields ``layer_step`` does not read (the rows from layer 0 and the check
-counts), emptied for it so their shapes do not key its compiled programs."""
+_NO_INITIAL_ROWS = dict(rows=np.zeros(0, np.int32), rows_valid=np.zeros(0, bool), counts=np.zeros(0, np.int32),
+                        block_table=np.zeros((0, 0), np.int32))
+"""``BlendInputs`` fields ``layer_step`` does not read (the rows from layer 0, the check
+counts and one variant's block table), emptied for it so their shapes do not key its
+compiled programs."""
 
 
 def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
@@ -384,7 +405,12 @@ def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> i
 
 
 initial_rows_jit = jax.jit(initial_rows, static_argnames=("cfg",))
-last_logits_jit = jax.jit(last_logits, static_argnames=("cfg", "num"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num"))
+def cohort_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int) -> jax.Array:
+    """``last_logits`` of B variants' stacked rows (idx, valid [B, M], x [B, M, D]): [B, num, V]."""
+    return jax.vmap(lambda r: last_logits(params, cfg, r, positions, num))(rows)
 
 
 class _PhaseClock:
@@ -447,97 +473,152 @@ LayerFetch = Callable[[int, Pages, Pages], tuple[Pages, Pages]]
 way from a slower tier is in its pages and returns the pages (``kvjax.engine.page_ops.LayerwiseOnboard``)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class BlendResult:
+    """What ``blend_prefill`` returns for one variant.
+
+    Attributes:
+      logits: [plan.num_logits, V] float32 of the last prompt tokens.
+      recomputed: [L, T] bool, the rows each layer computed.
+      trace: with ``plan.num_probes > 0``: ``attn`` [L, P, H*d] (attention output of the
+        probe positions, zeros where a probe was not recomputed), ``recomputed``, the fused
+        KV ``k``, ``v`` [L, T, K, d] and the ``features`` [T, F] of every token at the first
+        check layer (zeros without checks); else None.
+    """
+
+    logits: jax.Array
+    recomputed: jax.Array
+    trace: dict[str, jax.Array] | None
+
+
+def _stack(states: list[RowState]) -> RowState:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
 def blend_prefill(
     params: transformer.Params,
     pool: PagePool,
-    inputs: BlendInputs,
+    inputs: Sequence[BlendInputs],
+    plans: Sequence[BlendPlan],
     *,
     cfg: ModelConfig,
     layout: CacheLayout,
-    plan: BlendPlan,
     attn_impl: attention.Impl = "auto",
     phases: dict[str, float] | None = None,
     fetch: LayerFetch | None = None,
     timeline: ComputeTimeline | None = None,
-) -> tuple[jax.Array, PagePool, jax.Array, dict[str, jax.Array] | None]:
-    """Blended prefill of one prompt; writes the fused KV into the pool (donated).
+) -> tuple[list[BlendResult], PagePool]:
+    """Blended prefill of B variants of one prompt (e.g. the selectors and ratios of a sweep);
+    writes each variant's fused KV into its own pages of the pool (donated).
 
-    Two compiled phases: the check phase (layers 0 .. last check layer, all tokens, then
-    gradual filtering) as one program, and one compiled layer step for the selected rows,
-    dispatched asynchronously per remaining layer (a 30-layer unrolled program would take ~5x
-    longer to compile for every new row capacity, with no faster run time). Each layer reads
-    its reused KV from the pool (keys re-rotated) and writes its fused KV into the sequence's
-    pages as it goes, so reused KV is held for one layer (the check phase's layers together),
-    never for all layers.
+    The variants share the prompt and its reused KV (every ``BlendInputs`` field but
+    ``rows``, ``rows_valid``, ``counts`` and ``block_table``) and differ in their selection.
+    Two kinds of compiled programs: a variant's check phase (layers 0 .. its last check
+    layer, all tokens, then gradual filtering) as one program, and one compiled layer step
+    (``layer_step``) per remaining layer for the variants whose rows have the same capacity,
+    together: the layer's reused KV is read and re-rotated once and their rows go through it
+    as one batch, dispatched asynchronously (a 30-layer unrolled program would take ~5x longer
+    to compile for every new row capacity, with no faster run time). Each layer writes its
+    fused KV into the variants' pages as it goes, so reused KV is held for one layer (a check
+    phase's layers together), never for all layers. One variant (B = 1) is the ordinary
+    blended prefill.
 
-    With ``fetch``, layer l's pages are asked for just before layer l is dispatched: while
-    the loader brings layer l + 1 from its tier, layer l computes (the check phase waits for
-    all its layers first).
+    With ``fetch``, layer l's pages are asked for just before the first program that reads
+    layer l is dispatched: while the loader brings layer l + 1 from its tier, layer l computes
+    (the check phases wait for all their layers first).
 
     Args:
-      inputs: T must be a multiple of ``layout.tokens_per_block``.
+      inputs: one per variant; T must be a multiple of ``layout.tokens_per_block``.
+      plans: one per variant; all with the same ``num_logits`` and ``num_probes`` (> 0 only
+        for a single variant).
       phases: if given, receives the seconds of each phase ("check_layers", "row_layers",
         "logits"), waiting for each to finish before the next starts.
       fetch: see ``LayerFetch``; None = every reused page is already on the device.
       timeline: records when each layer's computation ran.
 
     Returns:
-      (logits [plan.num_logits, V] float32 of the last prompt tokens, the pool, recomputed
-      [L, T] bool (the rows each layer computed), trace or None). With ``plan.num_probes > 0``
-      the trace holds ``attn`` [L, P, H*d] (attention output of the probe positions, zeros
-      where a probe was not recomputed), ``recomputed``, the fused KV ``k``, ``v`` [L, T, K, d]
-      of the sequence and the ``features`` [T, F] of every token at the first check layer
-      (zeros without checks).
+      (one ``BlendResult`` per variant, the pool).
     """
-    if inputs.tokens.shape[0] % layout.tokens_per_block:
-        raise ValueError(f"padded tokens T={inputs.tokens.shape[0]} must be a multiple of tokens_per_block={layout.tokens_per_block}")
+    if len(inputs) != len(plans) or not plans:
+        raise ValueError(f"got {len(inputs)} inputs and {len(plans)} plans: one of each per variant, at least one")
+    if len({(p.num_logits, p.num_probes) for p in plans}) > 1 or (plans[0].num_probes and len(plans) > 1):
+        raise ValueError("the variants of one blended prefill must share num_logits and num_probes, and only one may trace probes")
+    if inputs[0].tokens.shape[0] % layout.tokens_per_block:
+        raise ValueError(f"padded tokens T={inputs[0].tokens.shape[0]} must be a multiple of tokens_per_block={layout.tokens_per_block}")
     clock = _PhaseClock(phases)
-    inputs = jax.device_put(inputs)
+    inputs = [jax.device_put(x) for x in inputs]
     k_pages, v_pages = list(pool.k), list(pool.v)
+    num_probes = plans[0].num_probes
+    fetched_to = 0
 
-    def fetched(layer: int) -> None:
-        if fetch is not None:
-            k_pages[layer], v_pages[layer] = fetch(layer, k_pages[layer], v_pages[layer])
+    def fetched(end: int) -> None:
+        nonlocal fetched_to
+        for layer in range(fetched_to, end):
+            if fetch is not None:
+                k_pages[layer], v_pages[layer] = fetch(layer, k_pages[layer], v_pages[layer])
+        fetched_to = max(fetched_to, end)
 
-    first = plan.checks[-1][0] + 1 if plan.checks else 0
-    options = dict(cfg=cfg, layout=layout, num_probes=plan.num_probes, attn_impl=attn_impl)
+    firsts = [plan.checks[-1][0] + 1 if plan.checks else 0 for plan in plans]
+    rows: list[RowState | None] = [None] * len(plans)
+    masks: list[list[jax.Array]] = [[] for _ in plans]
+    probes: list[jax.Array] = []
+    fused: list[tuple[jax.Array, jax.Array]] = []
+    features = jnp.zeros((inputs[0].tokens.shape[0], len(FEATURES)), jnp.float32)
+    options = dict(cfg=cfg, layout=layout, num_probes=num_probes, attn_impl=attn_impl)
     try:
-        fused: list[tuple[jax.Array, jax.Array]] = []
-        if first:
-            for layer in range(first):
-                fetched(layer)
-            rows, k_pages[:first], v_pages[:first], masks, probes, features, fused = _check_phase(
-                params, tuple(k_pages[:first]), tuple(v_pages[:first]), inputs, checks=plan.checks, score=plan.score, **options
-            )
-            fused = list(fused)
-            if timeline is not None:
-                timeline.dispatched((0, first), rows.x)
-        else:
-            rows, masks, probes = initial_rows_jit(params, cfg=cfg, inputs=inputs), [], []
-            features = jnp.zeros((inputs.tokens.shape[0], len(FEATURES)), jnp.float32)
-        clock.lap("check_layers", rows.x)
-        row_inputs = jax.device_put(inputs.replace(**_NO_INITIAL_ROWS))  # one step program per row count, any schedule
-        for layer in range(first, cfg.num_layers):
-            fetched(layer)
-            rows, k_pages[layer], v_pages[layer], mask, trace = layer_step(
-                params.layers[layer], rows, k_pages[layer], v_pages[layer], row_inputs,
-                layer=representative_layer(cfg, layout, layer), **options,
-            )
-            if timeline is not None:
-                timeline.dispatched((layer, layer + 1), rows.x)
-            masks.append(mask)
-            if trace is not None:
-                probes.append(trace[0])
-                fused.append(trace[1:])
+        fetched(max(firsts))
+        for b, (first, plan) in enumerate(zip(firsts, plans)):
+            if first:
+                rows[b], k_pages[:first], v_pages[:first], masks[b], probes, features, traced = _check_phase(
+                    params, tuple(k_pages[:first]), tuple(v_pages[:first]), inputs[b], checks=plan.checks, score=plan.score,
+                    **options,
+                )
+                fused = list(traced)
+                if timeline is not None:
+                    timeline.dispatched((0, first), rows[b].x)
+            else:
+                rows[b] = initial_rows_jit(params, cfg=cfg, inputs=inputs[b])
+        clock.lap("check_layers", [r.x for r in rows])
+        row_inputs = jax.device_put(inputs[0].replace(**_NO_INITIAL_ROWS))  # one step program per row count, any schedule
+        cohorts: dict[int, tuple[list[int], RowState]] = {}  # row capacity -> (variants, their stacked rows)
+        for layer in range(min(firsts), cfg.num_layers + 1):  # variants join at their first row layer (or at the end)
+            for b in (b for b, first in enumerate(firsts) if first == layer):
+                capacity = rows[b].idx.shape[0]
+                members, stacked = cohorts.get(capacity, ([], None))
+                joined = _stack([rows[b]]) if stacked is None else jax.tree.map(lambda a, x: jnp.concatenate([a, x[None]]), stacked, rows[b])
+                cohorts[capacity] = ([*members, b], joined)
+            if layer == cfg.num_layers:
+                break
+            fetched(layer + 1)
+            for capacity, (members, stacked) in cohorts.items():
+                tables = jnp.stack([inputs[b].block_table for b in members])
+                stacked, k_pages[layer], v_pages[layer], mask, trace = layer_step(
+                    params.layers[layer], stacked, k_pages[layer], v_pages[layer], row_inputs, tables,
+                    layer=representative_layer(cfg, layout, layer), **options,
+                )
+                cohorts[capacity] = (members, stacked)
+                if timeline is not None:
+                    timeline.dispatched((layer, layer + 1), stacked.x)
+                for i, b in enumerate(members):
+                    masks[b].append(mask[i])
+                if trace is not None:
+                    probes.append(trace[0][0])
+                    fused.append((trace[1][0], trace[2][0]))
     except Exception as err:
         raise PrefillInterrupted(PagePool(k=tuple(k_pages), v=tuple(v_pages))) from err
-    clock.lap("row_layers", rows.x)
-    logits = last_logits_jit(params, cfg=cfg, rows=rows, positions=inputs.positions, num=plan.num_logits)
+    clock.lap("row_layers", [stacked.x for _, stacked in cohorts.values()])
+    logits: list[jax.Array | None] = [None] * len(plans)
+    for members, stacked in cohorts.values():
+        out = cohort_logits(params, cfg, stacked, inputs[0].positions, plans[0].num_logits)
+        for i, b in enumerate(members):
+            logits[b] = out[i]
     pool = PagePool(k=tuple(k_pages), v=tuple(v_pages))
     clock.lap("logits", (logits, pool))
-    recomputed = jnp.stack(masks)
-    out = None
-    if plan.num_probes:
-        out = {"attn": jnp.stack(probes), "recomputed": recomputed, "k": jnp.stack([k for k, _ in fused]),
-               "v": jnp.stack([v for _, v in fused]), "features": features}
-    return logits, pool, recomputed, out
+    results = []
+    for b in range(len(plans)):
+        recomputed, trace = jnp.stack(masks[b]), None
+        if num_probes:
+            trace = {"attn": jnp.stack(probes), "recomputed": recomputed, "k": jnp.stack([k for k, _ in fused]),
+                     "v": jnp.stack([v for _, v in fused]), "features": features}
+        results.append(BlendResult(logits=logits[b], recomputed=recomputed, trace=trace))
+    return results, pool

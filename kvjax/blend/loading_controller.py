@@ -176,13 +176,13 @@ def measure_recompute(
             rows=picked, rows_valid=np.ones(m, bool), counts=np.zeros(0, np.int32), block_table=np.tile(table, (layout.num_groups, 1)),
             length=np.asarray([num_tokens], np.int32), probes=np.zeros(0, np.int32), num_cached=np.int32(0),
         ))
-        state = RowState(idx=jnp.asarray(picked), valid=jnp.ones(m, bool),
-                         x=jnp.asarray(np.random.default_rng(0).normal(size=(m, cfg.d_model)), params.embed.dtype))
+        state = RowState(idx=jnp.asarray(picked)[None], valid=jnp.ones((1, m), bool),
+                         x=jnp.asarray(np.random.default_rng(0).normal(size=(1, m, cfg.d_model)), params.embed.dtype))
 
         def step() -> None:
             nonlocal k_pages, v_pages
-            out, k_pages, v_pages, _, _ = layer_step(params.layers[layer], state, k_pages, v_pages, inputs, cfg=cfg, layout=probe,
-                                                     layer=layer, num_probes=0, attn_impl=attn_impl)
+            out, k_pages, v_pages, _, _ = layer_step(params.layers[layer], state, k_pages, v_pages, inputs, inputs.block_table[None], cfg=cfg,
+                                                     layout=probe, layer=layer, num_probes=0, attn_impl=attn_impl)
             jax.block_until_ready(out.x)
 
         times.append(_timed(step, repeats))

@@ -24,6 +24,12 @@ def prefill_bucket(n: int) -> int:
     return pow2_bucket(n, 16) if n <= PREFILL_STEP else -(-n // PREFILL_STEP) * PREFILL_STEP
 
 
+PREFILL_BATCH_TOKENS = 1024
+"""Padded tokens (rows x bucket) of one batched prefill forward at most: short chunks of one
+bucket go together, up to 64 of 16 tokens, while a chunk of 1024 or more runs alone, so a
+batch's activations and kept logits never exceed a long chunk's alone."""
+
+
 MIN_TABLE_WIDTH = 4
 """Fewest pages in a step's block tables."""
 

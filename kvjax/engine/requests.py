@@ -6,7 +6,8 @@ scheduler's entry from arguments that passed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import jax
@@ -55,12 +56,24 @@ class ChunkedPrompt(Protocol):
     def num_rows(self, num_tokens: int, num_layers: int) -> int:
         """Rows the prefill of a ``num_tokens`` prompt recomputes, averaged over layers."""
 
-    def prefill(
-        self, context: StepContext, request_id: str, prompt: Sequence[int], num_cached: int
-    ) -> tuple[jax.Array, dict | None, object]:
-        """Runs the prompt (``num_cached`` leading tokens already in its pages) on the request's
-        pages of ``context.pool``; returns (the last prompt positions' logits [R, V], a trace
-        or None, a report)."""
+    def batch_key(self, prompt: Sequence[int], num_cached: int) -> Hashable | None:
+        """Blended requests of one step with equal keys prefill together (``prefill``); None = alone."""
+
+    def prefill(self, context: StepContext, batch: Sequence[ChunkedWork]) -> list[tuple[jax.Array, dict | None, object]]:
+        """Runs the prompts of ``batch`` (this request's first, the others with its
+        ``batch_key``) on the requests' pages of ``context.pool``; returns per request (the
+        last prompt positions' logits [R, V], a trace or None, a report)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedWork:
+    """A blended request's prefill in a step: its id, prompt, the leading tokens its pages
+    already hold (blend-scope match) and its chunks."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    num_cached: int
+    reuse: ChunkedPrompt
 
 
 def check_optional_str(field: str, value: object) -> None:

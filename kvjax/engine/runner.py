@@ -21,7 +21,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import flax.struct
 import jax
@@ -32,10 +32,16 @@ from jax.sharding import Mesh
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, PagePool
 from kvjax.distributed import replicate
-from kvjax.engine.buckets import pow2_bucket, prefill_bucket, table_width
+from kvjax.engine.buckets import (
+    PREFILL_BATCH_TOKENS,
+    pow2_bucket,
+    prefill_bucket,
+    table_width,
+)
 from kvjax.engine.outputs import RequestRecord
 from kvjax.engine.page_ops import apply_page_ops
 from kvjax.engine.recurrent import RecurrentState
+from kvjax.engine.requests import ChunkedWork
 from kvjax.engine.scheduler import ScheduledRequest
 from kvjax.manager.interface import CacheManager
 from kvjax.model.config import ModelConfig
@@ -196,21 +202,21 @@ class StepRunner:
         self.recurrent = recurrent
 
     def prefill(self, works: Sequence[ScheduledRequest]) -> Sampled:
-        """One prefill chunk (``works`` holds one); a hybrid model's chunk is cut at the
-        snapshot boundaries inside it so the state at each is taken; only the last piece samples."""
+        """Prefill chunks of one token bucket (``run_works`` groups them) in one batched
+        forward; a hybrid model's chunks run one by one, each cut at the snapshot boundaries
+        inside it so the state at each is taken (only the last piece samples)."""
         if self.recurrent is None:
             return self.forward(works, "prefill")
-        [work] = works
-        end = work.start + len(work.token_ids)
         sampled: Sampled = {}
-        start = work.start
-        for cut in self.recurrent.cuts(work):
-            piece = dataclasses.replace(
-                work, token_ids=work.token_ids[start - work.start : cut - work.start], start=start,
-                samples=work.samples and cut == end,
-            )
-            sampled = self.forward([piece], "prefill")
-            start = cut
+        for work in works:
+            end, start = work.start + len(work.token_ids), work.start
+            for cut in self.recurrent.cuts(work):
+                piece = dataclasses.replace(
+                    work, token_ids=work.token_ids[start - work.start : cut - work.start], start=start,
+                    samples=work.samples and cut == end,
+                )
+                sampled.update(self.forward([piece], "prefill"))
+                start = cut
         return sampled
 
     def decode(self, works: Sequence[ScheduledRequest]) -> Sampled:
@@ -218,16 +224,16 @@ class StepRunner:
         return self.forward(works, "decode")
 
     def blend(self, works: Sequence[ScheduledRequest]) -> Sampled:
-        """A blended request's whole prompt (``work.start`` tokens cached) through its
-        ``chunks.prefill``; samples its first token."""
+        """Blended requests' whole prompts (``work.start`` tokens cached; one request, or
+        several with one ``chunks.batch_key``) through the first one's ``chunks.prefill``;
+        samples each one's first token."""
         start = time.perf_counter()
-        [work] = works
-        record = self.records[work.request_id]
-        logits, trace, report = record.chunks.prefill(
-            self.context, work.request_id, record.sched.prompt_token_ids, work.start
-        )
-        record.prompt_logits, record.blend_trace, record.blend_report = np.asarray(logits), trace, report
-        sampled = self.sample([work], logits[-1:])
+        records = [self.records[w.request_id] for w in works]
+        batch = [ChunkedWork(w.request_id, tuple(r.sched.prompt_token_ids), w.start, r.chunks) for w, r in zip(works, records)]
+        results = records[0].chunks.prefill(self.context, batch)
+        for record, (logits, trace, report) in zip(records, results):
+            record.prompt_logits, record.blend_trace, record.blend_report = np.asarray(logits), trace, report
+        sampled = self.sample(works, jnp.stack([logits[-1] for logits, _, _ in results]))
         self._account("blend", start, sum(len(w.token_ids) for w in works))
         return sampled
 
@@ -301,13 +307,32 @@ class StepRunner:
 def run_works(
     runners: Mapping[str, Runner], works: Sequence[ScheduledRequest], records: Mapping[str, RequestRecord]
 ) -> tuple[Sampled, dict[str, str]]:
-    """Sends a step's works to their runners: each prefill chunk alone to "prefill" (or to
-    "blend", for a blended request), all decodes together to "decode".
+    """Sends a step's works to their runners: the prefill chunks of ordinary requests to
+    "prefill" in batches of one token bucket (``prefill_bucket``: a short chunk is never
+    padded to a long one's length) of at most ``PREFILL_BATCH_TOKENS`` padded tokens, the
+    prompts of blended requests to "blend" together when their ``chunks.batch_key`` is equal
+    (variants of one prompt), else alone, all decodes together to "decode".
 
     Returns:
       (the tokens sampled, the failed requests: id -> "ErrorType: message").
     """
-    batches = [("prefill" if records[w.request_id].chunks is None else "blend", [w]) for w in works if w.is_prefill]
+    by_bucket: dict[int, list[ScheduledRequest]] = {}
+    by_key: dict[Hashable, list[ScheduledRequest]] = {}
+    batches = []
+    for w in works:
+        chunks = records[w.request_id].chunks
+        if w.is_prefill and chunks is not None:
+            key = chunks.batch_key(records[w.request_id].sched.prompt_token_ids, w.start)
+            if key is None:
+                batches.append(("blend", [w]))
+            else:
+                by_key.setdefault(key, []).append(w)
+        elif w.is_prefill:
+            by_bucket.setdefault(prefill_bucket(len(w.token_ids)), []).append(w)
+    batches += [("blend", batch) for batch in by_key.values()]
+    for bucket, group in by_bucket.items():
+        size = max(1, PREFILL_BATCH_TOKENS // bucket)
+        batches += [("prefill", group[i : i + size]) for i in range(0, len(group), size)]
     decodes = [w for w in works if not w.is_prefill]
     batches += [("decode", decodes)] if decodes else []
     sampled: Sampled = {}

@@ -180,3 +180,25 @@ def test_extensions_sharing_fed_tokens_get_every_logit_from_whoever_computed_it(
     for feed, out in ((first, a), (second, b)):
         inside = blender.run(prompt, policy, feed=feed)
         assert len(out.prompt_logits) == len(feed) + 1 and rel_err(out.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
+
+
+def test_variants_run_together_equal_each_alone(setup):
+    # Every selector at three ratios, the variants of one ratio submitted together: their
+    # blended prefills share steps (each layer's reused KV read once, the rows of a capacity
+    # through each layer as one batch) and each equals its run alone, logits and rows.
+    model, prompt, blender, _ = setup
+    rng = np.random.default_rng(0)
+    scores = rng.random((model.config.num_layers, prompt.roles.num_tokens))
+    weights = tuple(rng.normal(size=8 * 7 + 1).tolist())
+    selectors = ("cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "learned", "random", "oracle")
+    engine = blender.engine
+    for ratio in (0.05, 0.15, 0.5):
+        policies = [SelectionConfig(selector=name, recompute_ratio=ratio, row_bucket=16, scorer=weights if name == "learned" else ())
+                    for name in selectors]
+        steps = engine.timings["blend_steps"]
+        together = blender.run_together(prompt, policies, scores=scores)
+        assert engine.timings["blend_steps"] - steps < len(policies)
+        for policy, run in zip(policies, together):
+            alone = blender.run(prompt, policy, scores=scores)
+            np.testing.assert_array_equal(run.report.recomputed, alone.report.recomputed, err_msg=f"{policy.selector}@{ratio}")
+            assert rel_err(run.logits, alone.logits) <= RTOL, f"{policy.selector}@{ratio}"

@@ -173,6 +173,28 @@ def test_prompt_logits_are_the_computed_rows_of_the_last_prompt_positions(smollm
         SamplingParams(prompt_logits=-1)
 
 
+def test_short_prefills_of_one_bucket_run_as_one_forward_with_their_logits_alone(smollm2, reference_text):
+    # Continuations of one cached 528-token prompt (the evaluation's teacher forcing): the
+    # step prefills the tails of one token bucket in one batched forward (12, 14 and 3 tokens:
+    # bucket 16; 20 tokens: bucket 32, apart), and each one's prompt logits equal those of
+    # its prefill alone.
+    ids = smollm2.tokenizer.encode(reference_text)[:546]
+    assert len(ids) == 546
+    base, tails = ids[:528], [ids[528:540], ids[532:546], [7, 8, 9], [*ids[528:546], 5, 6]]
+    sampling = SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logits=3)
+    engine = make_engine(smollm2, max_seq_len=1024, max_tokens=4096)
+    engine.generate([base], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    steps = engine.timings["prefill_steps"]
+    together = engine.generate([base + t for t in tails], sampling)
+    assert engine.timings["prefill_steps"] - steps == 2  # one forward per bucket
+    for tail, out in zip(tails, together):
+        alone = make_engine(smollm2, max_seq_len=1024, max_tokens=4096)
+        alone.generate([base], SamplingParams(max_new_tokens=1, ignore_eos=True))
+        [one] = alone.generate([base + tail], sampling)
+        assert out.num_reused_tokens == one.num_reused_tokens == 528
+        assert out.output == one.output and rel_err(out.prompt_logits, one.prompt_logits) <= 1e-5
+
+
 def test_pop_output_forgets_a_finished_request_only(smollm2, prompts):
     engine = make_engine(smollm2)
     rid = engine.submit(prompts[0], SamplingParams(max_new_tokens=3, ignore_eos=True))
