@@ -70,7 +70,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         "full_recompute", "prefix_caching", "full_reuse", *config.sweep.policies, "oracle",
     )  # compared at the ratio
     config.sweep.num_prompts = 0  # first evaluation prompts used by the sweep (0 = skip; :paper sweeps every prompt)
-    config.sweep.batched = True  # the points of one ratio prefill together (TTFT modelled from the timed runs); False: each timed alone
+    config.sweep.batched = False  # True: the points of one ratio prefill together, TTFT modelled (slower on CPU: docs/results/2026-12-05-xeon-sweep-batching.md)
 
     config.learned = ml_collections.ConfigDict()
     config.learned.train_prompts = 4  # training-split prompts of the learned scorer (disjoint from evaluation)
@@ -137,6 +137,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         config.sweep.policies = ("learned",)
         config.sweep.ratios = (0.15, 0.5)
         config.sweep.num_prompts = 1
+        config.sweep.batched = True  # the smoke run goes through the batched sweep's path too
         config.eval.continuation_tokens = 8
         config.eval.max_answer_tokens = 8
         config.eval.bootstrap = 200

@@ -39,7 +39,7 @@ from experiments import cacheblend_eval as ev
 from experiments import cacheblend_report, report
 from experiments.cacheblend_report import DEVIATIONS, PIECES, RECORDS, STATE, read_lines
 from experiments.policies import POLICIES, policy
-from experiments.timing import compile_counter, machine_limits
+from experiments.timing import compile_counter, machine_limits, memory_mappings, release_executables
 from kvjax import metrics
 from kvjax.blend import loading_controller
 
@@ -162,10 +162,11 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     if config.piece.max_prompts:
         todo = todo[: int(config.piece.max_prompts)]
     deadline = started + 60 * config.piece.max_minutes if config.piece.max_minutes else float("inf")
-    scored = []
+    scored, releases = [], 0
     for i in tqdm(todo, desc="prompts", unit="prompt"):
         if time.perf_counter() >= deadline:
             break
+        releases += release_executables()
         example, prompt = setup.examples[i], prompts[i]
         t0, timings, compiled = time.perf_counter(), dict(setup.engine.timings), dataclasses.replace(compiles)
         warm = dataclasses.replace(log)
@@ -185,7 +186,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
             "reference_last_logit_error": ref.last_logit_error, "runs": report.jsonable(results, nan_as_text=False),
             "time": {"wall_s": wall, "compile_s": compiles.since(compiled).seconds, **engine_s,
                      "host_s": wall - sum(engine_s.values()), "programs": compiles.since(compiled).programs,
-                     "rss_gb": psutil.Process().memory_info().rss / 2**30,
+                     "rss_gb": psutil.Process().memory_info().rss / 2**30, "mappings": memory_mappings(),
                      "warmup_runs": log.warmup_runs - warm.warmup_runs, "warmup_s": log.warmup_s - warm.warmup_s},
         }
         with open(workdir / RECORDS, "a") as f:
@@ -198,7 +199,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
              "machine": {"cpu": loading_controller.cpu_name(), "cores": os.cpu_count(),
                          "backend": jax.default_backend(), **machine_limits()},
              "timing": dataclasses.asdict(log), "compile_s": compiled.seconds, "programs": compiled.programs,
-             "backend_compiles": compiled.backend_compiles, "ended": datetime.datetime.now().isoformat(timespec="seconds")}
+             "backend_compiles": compiled.backend_compiles, "executables_released": releases, "ended": datetime.datetime.now().isoformat(timespec="seconds")}
     with open(workdir / PIECES, "a") as f:
         f.write(json.dumps(report.jsonable(piece)) + "\n")
     results = cacheblend_report.write_folder(workdir)

@@ -222,7 +222,7 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
     dev_stats = plots.deviation_figures(workdir, devs)
     plots.deviation_by_layer(workdir / "kv_deviation_by_layer.png", per_policy, ("full_reuse", "cacheblend", "query_aware", "random"))
 
-    times = {k: float(np.sum([r["time"][k] for r in records])) for k in records[0]["time"] if k != "rss_gb"}
+    times = {k: float(np.sum([r["time"][k] for r in records])) for k in records[0]["time"] if k not in ("rss_gb", "mappings")}
     rss = [r["time"]["rss_gb"] for r in records]
     per_hour = 3600.0 * len(records) / times["wall_s"]
     time_text = (

@@ -1,10 +1,12 @@
 """Timing helpers shared by the benchmarks: medians after warm-up, the machine's own limits
 (matmul rate, copy bandwidth) that every speed row is read against, and the count of JAX
-compilations, so that no timed figure includes one."""
+compilations, so that no timed figure includes one; and the guard that keeps a long run's
+compiled programs under the kernel's mapping limit."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +48,39 @@ def machine_limits(iters: int = 5) -> dict[str, float]:
         "matmul_mlp_gflops": 2 * 1024 * 576 * 1536 / median_seconds(lambda: matmul(x, w), 1, iters) / 1e9,
         "copy_gb_s": 2 * big.nbytes / median_seconds(lambda: np.copyto(out, big), 1, iters) / 1e9,
     }
+
+
+def memory_mappings() -> int:
+    """Memory mappings this process holds (lines of /proc/self/maps; 0 where there is none).
+    Every compiled XLA:CPU executable holds some, and the kernel refuses mappings past
+    ``vm.max_map_count`` (65530 by default): LLVM then fails with "Cannot allocate memory"
+    and the process dies, however much memory is free."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+MAPPINGS_HEADROOM = 0.5
+"""Share of ``vm.max_map_count`` past which ``release_executables`` drops the compiled
+programs: a prompt of the ratio sweep compiles up to ~200 programs of ~90 mappings each."""
+
+
+def release_executables() -> bool:
+    """Drops every compiled program (``jax.clear_caches``) when this process holds more than
+    ``MAPPINGS_HEADROOM`` of the kernel's mapping limit; the next call of each recompiles, or
+    loads it from the persistent compilation cache. Returns whether it dropped them."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except OSError:
+        return False
+    if memory_mappings() <= MAPPINGS_HEADROOM * limit:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True
 
 
 def decode_step_seconds(engine: Engine, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> float:

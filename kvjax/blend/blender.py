@@ -343,25 +343,26 @@ class Blender:
         """``outputs`` with every kept prompt position's logits: a position whose KV was
         served from the cache (the run's blocks, or blocks a sibling extension of the same run
         committed first) takes the logits computed there by whoever computed it with the same
-        tokens up to it: the run (row i of ``run.logits`` is position ``n - 1 + i`` of prompt +
-        feed + generated) or that sibling.
+        tokens up to it over the same run's KV: the run (row i of ``run.logits`` is position
+        ``n - 1 + i`` of prompt + feed + generated) or that sibling. Runs of other policies
+        share the tokens, not the KV, so they never serve each other.
 
         Raises:
           RuntimeError: no run or sibling computed some kept position.
         """
-        known: dict[tuple[int, ...], np.ndarray] = {}  # tokens through position p -> logits at p
+        known: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}  # (run, tokens through position p) -> logits at p
 
-        def learn(tokens: tuple[int, ...], rows: np.ndarray, first: int) -> None:
+        def learn(run: PolicyRun, tokens: tuple[int, ...], rows: np.ndarray, first: int) -> None:
             for i, row in enumerate(rows):
-                known.setdefault(tokens[: first + i + 1], row)
+                known.setdefault((id(run), tokens[: first + i + 1]), row)
 
         runs = {id(ext.run): ext.run for ext in extensions}
         for run in runs.values():
-            learn((*run.prompt.tokens.tolist(), *run.feed, *run.tokens), run.logits, run.prompt.roles.num_tokens - 1)
+            learn(run, (*run.prompt.tokens.tolist(), *run.feed, *run.tokens), run.logits, run.prompt.roles.num_tokens - 1)
         for ext, out in zip(extensions, outputs):
             if out.prompt_logits is not None:
                 tokens = (*ext.run.prompt.tokens.tolist(), *ext.feed)
-                learn(tokens, out.prompt_logits, len(tokens) - len(out.prompt_logits))
+                learn(ext.run, tokens, out.prompt_logits, len(tokens) - len(out.prompt_logits))
         completed = []
         for ext, out in zip(extensions, outputs):
             have = 0 if out.prompt_logits is None else len(out.prompt_logits)
@@ -370,11 +371,11 @@ class Blender:
                 continue
             tokens = (*ext.run.prompt.tokens.tolist(), *ext.feed)
             positions = range(len(tokens) - ext.prompt_logits, len(tokens))
-            missing = [p for p in positions if tokens[: p + 1] not in known]
+            missing = [p for p in positions if (id(ext.run), tokens[: p + 1]) not in known]
             if missing:
                 raise RuntimeError(f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens, but no run or "
                                    f"sibling extension computed the logits at positions {missing}")
-            completed.append(dataclasses.replace(out, prompt_logits=np.stack([known[tokens[: p + 1]] for p in positions])))
+            completed.append(dataclasses.replace(out, prompt_logits=np.stack([known[id(ext.run), tokens[: p + 1]] for p in positions])))
         return completed
 
     def exact_prefix_len(self, prompt: BlendPrompt) -> int:

@@ -546,6 +546,7 @@ def blend_prefill(
     if inputs[0].tokens.shape[0] % layout.tokens_per_block:
         raise ValueError(f"padded tokens T={inputs[0].tokens.shape[0]} must be a multiple of tokens_per_block={layout.tokens_per_block}")
     clock = _PhaseClock(phases)
+    host_tables = [np.asarray(x.block_table) for x in inputs]
     inputs = [jax.device_put(x) for x in inputs]
     k_pages, v_pages = list(pool.k), list(pool.v)
     num_probes = plans[0].num_probes
@@ -580,23 +581,25 @@ def blend_prefill(
                 rows[b] = initial_rows_jit(params, cfg=cfg, inputs=inputs[b])
         clock.lap("check_layers", [r.x for r in rows])
         row_inputs = jax.device_put(inputs[0].replace(**_NO_INITIAL_ROWS))  # one step program per row count, any schedule
-        cohorts: dict[int, tuple[list[int], RowState]] = {}  # row capacity -> (variants, their stacked rows)
+        cohorts: dict[int, tuple[list[int], RowState, jax.Array]] = {}  # row capacity -> (variants, stacked rows, block tables)
         for layer in range(min(firsts), cfg.num_layers + 1):  # variants join at their first row layer (or at the end)
-            for b in (b for b, first in enumerate(firsts) if first == layer):
-                capacity = rows[b].idx.shape[0]
-                members, stacked = cohorts.get(capacity, ([], None))
-                joined = _stack([rows[b]]) if stacked is None else jax.tree.map(lambda a, x: jnp.concatenate([a, x[None]]), stacked, rows[b])
-                cohorts[capacity] = ([*members, b], joined)
+            joining = [b for b, first in enumerate(firsts) if first == layer]
+            for capacity in dict.fromkeys(rows[b].idx.shape[0] for b in joining):
+                members, stacked, _ = cohorts.get(capacity, ([], None, None))
+                new = [b for b in joining if rows[b].idx.shape[0] == capacity]
+                stacked = _stack([rows[b] for b in new]) if stacked is None else jax.tree.map(
+                    lambda a, *xs: jnp.concatenate([a, jnp.stack(xs)]), stacked, *(rows[b] for b in new))
+                members = [*members, *new]
+                cohorts[capacity] = (members, stacked, jnp.asarray(np.stack([host_tables[b] for b in members])))
             if layer == cfg.num_layers:
                 break
             fetched(layer + 1)
-            for capacity, (members, stacked) in cohorts.items():
-                tables = jnp.stack([inputs[b].block_table for b in members])
+            for capacity, (members, stacked, tables) in cohorts.items():
                 stacked, k_pages[layer], v_pages[layer], mask, trace = layer_step(
                     params.layers[layer], stacked, k_pages[layer], v_pages[layer], row_inputs, tables,
                     layer=representative_layer(cfg, layout, layer), **options,
                 )
-                cohorts[capacity] = (members, stacked)
+                cohorts[capacity] = (members, stacked, tables)
                 if timeline is not None:
                     timeline.dispatched((layer, layer + 1), stacked.x)
                 for i, b in enumerate(members):
@@ -606,9 +609,9 @@ def blend_prefill(
                     fused.append((trace[1][0], trace[2][0]))
     except Exception as err:
         raise PrefillInterrupted(PagePool(k=tuple(k_pages), v=tuple(v_pages))) from err
-    clock.lap("row_layers", [stacked.x for _, stacked in cohorts.values()])
+    clock.lap("row_layers", [stacked.x for _, stacked, _ in cohorts.values()])
     logits: list[jax.Array | None] = [None] * len(plans)
-    for members, stacked in cohorts.values():
+    for members, stacked, _ in cohorts.values():
         out = cohort_logits(params, cfg, stacked, inputs[0].positions, plans[0].num_logits)
         for i, b in enumerate(members):
             logits[b] = out[i]

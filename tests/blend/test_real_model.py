@@ -182,6 +182,29 @@ def test_extensions_sharing_fed_tokens_get_every_logit_from_whoever_computed_it(
         assert len(out.prompt_logits) == len(feed) + 1 and rel_err(out.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
 
 
+def test_extensions_of_runs_of_other_policies_never_take_each_others_logits(smollm2):
+    # The runs of full reuse and CacheBlend share the prompt's tokens but not its KV. Each
+    # decodes one token into its last page (n = 15 mod 16); an answer starting with that token,
+    # teacher-forced behind each run in one extend, reuses the run's page past the prompt and
+    # must take that position's logits from its own run, equal to feeding it inside the run.
+    from kvjax.blend.blender import Extension
+
+    ex = make_examples(smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
+    prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[(n + 1) % 16 :])
+    assert prompt.roles.num_tokens % 16 == 15 and prompt.roles.num_tokens >= 512
+    blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=16)
+    policies = (NONE, SelectionConfig(selector="cacheblend", recompute_ratio=0.15))
+    runs = [blender.run(prompt, policy, max_new_tokens=2) for policy in policies]
+    assert runs[0].tokens[0] == runs[1].tokens[0]
+    answer = (runs[0].tokens[0], *smollm2.tokenizer.encode(" the key is seven", add_bos=False))
+    outs = blender.extend([Extension(run, answer[:-1], prompt_logits=len(answer)) for run in runs])
+    assert all(out.num_reused_tokens > prompt.roles.num_tokens for out in outs)  # each reused its run's page past the prompt
+    for policy, out in zip(policies, outs):
+        inside = blender.run(prompt, policy, feed=answer[:-1])
+        assert rel_err(out.prompt_logits, inside.logits[: len(answer)]) <= 1e-4, policy.selector
+
+
 def test_variants_run_together_equal_each_alone(setup):
     # Every selector at three ratios, the variants of one ratio submitted together: their
     # blended prefills share steps (each layer's reused KV read once, the rows of a capacity
