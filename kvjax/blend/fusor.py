@@ -364,7 +364,7 @@ def layer_step(
     as one batch, each attends to its own fused KV) and writes each fused KV into its pages.
 
     ``layer`` only fixes the RoPE base, scaling and window, so one compiled step serves every
-    layer with the same three and the same shapes (see ``representative_layer``). It does not
+    layer with the same three and the same shapes (see ``transformer.layer_kind``). It does not
     read ``inputs.rows``, ``rows_valid``, ``counts`` or ``block_table`` (``blend_prefill``
     passes them empty).
 
@@ -393,15 +393,6 @@ _NO_INITIAL_ROWS = dict(rows=np.zeros(0, np.int32), rows_valid=np.zeros(0, bool)
 """``BlendInputs`` fields ``layer_step`` does not read (the rows from layer 0, the check
 counts and one variant's block table), emptied for it so their shapes do not key its
 compiled programs."""
-
-
-def representative_layer(cfg: ModelConfig, layout: CacheLayout, layer: int) -> int:
-    """First layer with the same RoPE base, RoPE scaling and window as ``layer``."""
-
-    def key(i: int) -> tuple:
-        return cfg.layer_rope_theta[i], cfg.layer_rope_scaling[i], layout.window_of(i)
-
-    return next(i for i in range(cfg.num_layers) if key(i) == key(layer))
 
 
 initial_rows_jit = jax.jit(initial_rows, static_argnames=("cfg",))
@@ -597,7 +588,7 @@ def blend_prefill(
             for capacity, (members, stacked, tables) in cohorts.items():
                 stacked, k_pages[layer], v_pages[layer], mask, trace = layer_step(
                     params.layers[layer], stacked, k_pages[layer], v_pages[layer], row_inputs, tables,
-                    layer=representative_layer(cfg, layout, layer), **options,
+                    layer=transformer.layer_kind(cfg, layout, layer), **options,
                 )
                 cohorts[capacity] = (members, stacked, tables)
                 if timeline is not None:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention
-from kvjax.blend.fusor import BlendInputs, RowState, layer_step, representative_layer
+from kvjax.blend.fusor import BlendInputs, RowState, layer_step
 from kvjax.cache import CacheLayout, HostPool, TierThrottle
 from kvjax.cache.pool import init_pool
 from kvjax.model import transformer
@@ -161,7 +161,7 @@ def measure_recompute(
     ps = layout.tokens_per_block
     t = -(-num_tokens // ps) * ps
     probe = dataclasses.replace(layout, num_pages=(t // ps + 1,) * layout.num_groups, num_host_pages=0, num_disk_pages=0)
-    layer = representative_layer(cfg, probe, cfg.num_layers - 1)
+    layer = transformer.layer_kind(cfg, probe, cfg.num_layers - 1)
     pool = init_pool(probe)
     k_pages, v_pages = pool.k[layer], pool.v[layer]
     idx = np.arange(t)

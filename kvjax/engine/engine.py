@@ -43,6 +43,7 @@ from kvjax.manager import KVCacheManager, MultimodalItem
 from kvjax.manager.interface import CacheManager
 from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.model.model import Model
+from kvjax.model.transformer import CompileUnit, forward_for
 from kvjax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class Engine:
       scheduler_config: token budget, batch size, chunking, prefix-aware scheduling.
       max_seq_len: longest prompt + generation; default the model's context length.
       attn_impl: "auto" | "blocked" | "reference" | "interpret" (see ``kvjax.attention``).
+      compile_unit: "auto" | "model" | "layer": what one compiled program of a step's forward
+        covers, the whole model or one layer (``kvjax.model.transformer.COMPILE_UNITS``;
+        "auto" = by layer on CPU, where compiling each new step shape dominates).
       max_finished_requests: finished requests whose outputs stay readable by id; older ones
         are forgotten (``generate``/``run``/``stream`` return their own outputs regardless).
       speculative: speculative decoding of every request (None = off).
@@ -73,12 +77,14 @@ class Engine:
         *,
         max_seq_len: int | None = None,
         attn_impl: attention.Impl = "auto",
+        compile_unit: CompileUnit = "auto",
         max_finished_requests: int = 1024,
         speculative: SpeculativeConfig | None = None,
         mesh: Mesh | None = None,
     ) -> None:
         cfg = model.config
         check_engine_options(cfg, max_seq_len, attn_impl, max_finished_requests, speculative, mesh, kv_cache_config)
+        model_forward = forward_for(compile_unit)  # raises for an unknown compile unit, before anything is built
         self.uses_manager_v2 = choose_manager_v2(kv_cache_config, cfg, speculative, mesh is not None)
         """Manager V2 (device-side allocation state, on-device decode) rather than V1."""
         self.model, self.kv_config, self.scheduler_config = model, kv_cache_config, scheduler_config
@@ -110,7 +116,7 @@ class Engine:
             params, pool = model.params, init_pool(self.layout)
         else:
             params, pool = distributed.shard_params(model.params, cfg, mesh), distributed.init_sharded_pool(self.layout, mesh)
-        context = StepContext(params, cfg, self.layout, attn_impl, manager, self.host_pool, pool, mesh)
+        context = StepContext(params, cfg, self.layout, attn_impl, manager, self.host_pool, pool, mesh, model_forward)
         self.runner = StepRunner(context, self.requests, self.timings, self.recurrent)
         decode = self.runner.decode if speculative is None else SpeculativeDecode(speculative, self.runner, self.max_seq_len)
         self.runners: dict[str, Runner] = {"prefill": self.runner.prefill, "blend": self.runner.blend, "decode": decode}

@@ -70,6 +70,8 @@ class StepContext:
       pool: the device page pool; replaced by every call that donates it.
       mesh: the device mesh the weights and the pool are sharded over (``kvjax.distributed``;
         attention then runs per device, the step's inputs are replicated); None = one device.
+      forward: the model's forward, whole or layer by layer (``transformer.forward_for``);
+        both have ``transformer.forward``'s signature.
     """
 
     params: Params
@@ -80,6 +82,7 @@ class StepContext:
     host_pool: HostPool
     pool: PagePool
     mesh: Mesh | None = None
+    forward: Callable[..., tuple] = forward
 
     def execute_page_ops(self) -> int:
         """Runs the manager's queued page operations (offload, onboard, copy) on the pool and
@@ -252,7 +255,7 @@ class StepRunner:
         samples = any(w.samples for w in works)
         keeps = phase == "prefill" and any(self.records[w.request_id].sampling.prompt_logits for w in works)
         slots = None if self.recurrent is None else self.recurrent.slots(works, rows)
-        logits, ctx.pool, *state = forward(
+        logits, ctx.pool, *state = ctx.forward(
             ctx.params, ctx.pool, inputs.tokens, inputs.positions, inputs.block_tables, inputs.lengths,
             cfg=ctx.cfg, layout=ctx.layout, attn_impl=ctx.attn_impl, mesh=ctx.mesh,
             logits_mode="all" if keeps else "last" if samples else "none",

@@ -22,7 +22,6 @@ from kvjax.config import SpeculativeConfig
 from kvjax.engine.buckets import pow2_bucket, table_width
 from kvjax.engine.runner import Sampled, StepRunner, sampling_arrays, step_inputs
 from kvjax.engine.scheduler import ScheduledRequest
-from kvjax.model.transformer import forward
 from kvjax.speculative import DraftRow, make_drafter, verify
 
 
@@ -64,7 +63,7 @@ class SpeculativeDecode:
             for i, w in enumerate(works)
         ]
         inputs = step_inputs(ctx.layout, verified, 1 + k, ctx.manager.block_table, num_slots=max(allocated))
-        logits, ctx.pool = forward(
+        logits, ctx.pool = ctx.forward(
             ctx.params, ctx.pool, inputs.tokens, inputs.positions, inputs.block_tables, inputs.lengths,
             cfg=ctx.cfg, layout=ctx.layout, logits_mode="all", attn_impl=ctx.attn_impl,
         )

@@ -7,7 +7,7 @@ import numpy as np
 
 from kvjax.cache import CacheLayout, PagePool, init_pool
 from kvjax.model.config import ModelConfig
-from kvjax.model.transformer import Params, forward
+from kvjax.model.transformer import CompileUnit, Params, forward_for
 
 
 def single_group_layout(cfg: ModelConfig, num_pages: int, tokens_per_block: int, windows: tuple[int, ...] | None = None) -> CacheLayout:
@@ -28,10 +28,12 @@ def chunked_logits(
     tokens_per_block: int = 16,
     seed: int = 0,
     attn_impl: str = "auto",
+    compile_unit: CompileUnit = "model",
 ) -> tuple[np.ndarray, PagePool, np.ndarray]:
     """Prefills ``tokens`` chunk by chunk (sizes ``chunks``, summing to len(tokens)) and
     returns every position's logits [T, V], the pool and the (randomly permuted) page table.
-    A chunk of size 1 is a decode step."""
+    A chunk of size 1 is a decode step; ``compile_unit`` picks the forward
+    (``kvjax.model.transformer.forward_for``)."""
     if sum(chunks) != len(tokens):
         raise ValueError(f"chunks sum to {sum(chunks)}, expected len(tokens)={len(tokens)}")
     pages_per_seq = -(-len(tokens) // tokens_per_block)
@@ -40,7 +42,7 @@ def chunked_logits(
     table = (rng.permutation(pages_per_seq + 2)[:pages_per_seq] + 1).astype(np.int32)[None]
     pool = init_pool(layout)
     tables = (jnp.asarray(table),) * layout.num_groups
-    out, start = [], 0
+    out, start, forward = [], 0, forward_for(compile_unit)
     for size in chunks:
         toks = jnp.asarray(np.asarray(tokens[start : start + size], np.int32)[None])
         pos = jnp.arange(start, start + size, dtype=jnp.int32)[None]

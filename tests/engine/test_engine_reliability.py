@@ -9,7 +9,6 @@ import threading
 import numpy as np
 import pytest
 
-import kvjax.engine.runner
 from kvjax.config import ConfigError, KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.registry import Model
@@ -106,19 +105,19 @@ def test_sampling_params_validate_at_construction(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_a_prefill_that_raises_finishes_alone(model, alone, monkeypatch):
+def test_a_prefill_that_raises_finishes_alone(model, alone):
     """A forward that raises for one request's prefill finishes that request with an error;
     the others give their solo outputs and the cache stays consistent."""
     poison = 96
-    real_forward = kvjax.engine.runner.forward
+    engine = make_engine(model)
+    real_forward = engine.runner.context.forward
 
     def forward(params, pool, tokens, *args, **kwargs):
         if (np.asarray(tokens) == poison).any():
             raise FloatingPointError("injected fault")
         return real_forward(params, pool, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(kvjax.engine.runner, "forward", forward)
-    engine = make_engine(model)
+    engine.runner.context.forward = forward
     ids = [engine.submit(p, GREEDY) for p in PROMPTS[:2]]
     bad = engine.submit([5, poison, 6], GREEDY)
     outs = {o.request_id: o for o in engine.run()}
@@ -129,21 +128,21 @@ def test_a_prefill_that_raises_finishes_alone(model, alone, monkeypatch):
     engine.manager.check_consistency()
 
 
-def test_a_decode_that_raises_inside_a_batch_finishes_alone(model, alone, monkeypatch):
+def test_a_decode_that_raises_inside_a_batch_finishes_alone(model, alone):
     """The fault hits the victim's second decode (position 21), inside a decode batch with
     two innocent requests: the batch is retried row by row, the victim finishes with an
     error after its two tokens, the others give their solo outputs."""
     victim = list(range(20, 40))
     [victim_alone] = make_engine(model).generate([victim], GREEDY)
-    real_forward = kvjax.engine.runner.forward
+    engine = make_engine(model)
+    real_forward = engine.runner.context.forward
 
     def forward(params, pool, tokens, positions, *args, **kwargs):
         if np.asarray(tokens).shape[1] == 1 and (np.asarray(positions) == 21).any():
             raise FloatingPointError("decode fault")
         return real_forward(params, pool, tokens, positions, *args, **kwargs)
 
-    monkeypatch.setattr(kvjax.engine.runner, "forward", forward)
-    engine = make_engine(model)
+    engine.runner.context.forward = forward
     ids = [engine.submit(p, GREEDY) for p in (PROMPTS[0], victim, PROMPTS[1])]
     outs = {o.request_id: o for o in engine.run()}
     assert [outs[ids[0]].output, outs[ids[2]].output] == alone[:2]
@@ -250,6 +249,7 @@ def test_sizes_beyond_the_machine_are_refused_before_allocating(model):
         (dict(max_seq_len=0), r"max_seq_len=0 must be None \(the model's 2048\) or an int in \[1, 2048\]"),
         (dict(max_seq_len=2049), r"max_seq_len=2049 must be None"),
         (dict(max_seq_len=64, attn_impl="bogus"), r"attn_impl='bogus' must be one of \('auto', 'blocked', 'reference', 'interpret'\)"),
+        (dict(max_seq_len=64, compile_unit="scan"), r"compile_unit='scan' must be one of \('auto', 'model', 'layer'\)"),
     ],
 )
 def test_engine_arguments_are_refused_at_construction(model, kwargs, message):

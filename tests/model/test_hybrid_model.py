@@ -14,7 +14,7 @@ from kvjax.cache.state_pool import (
 )
 from kvjax.model.config import ModelConfig
 from kvjax.model.recurrent import CHUNK
-from kvjax.model.transformer import Params, forward
+from kvjax.model.transformer import Params, forward, forward_for
 from kvjax.testing.numpy_forward import numpy_logits, recurrent_layer_numpy
 from kvjax.testing.paged import single_group_layout
 from kvjax.testing.tiny import init_params, tiny_config, tiny_hybrid_config
@@ -34,7 +34,8 @@ def zero_state(cfg: ModelConfig, rows: int) -> jnp.ndarray:
     return jnp.zeros(state_shape(len(cfg.recurrent_layers), rows, cfg.num_heads, cfg.head_dim), jnp.float32)
 
 
-def run_chunks(params: Params, cfg: ModelConfig, tokens: np.ndarray, chunks: list[int], tokens_per_block: int = 16):
+def run_chunks(params: Params, cfg: ModelConfig, tokens: np.ndarray, chunks: list[int], tokens_per_block: int = 16,
+               compile_unit: str = "model"):
     """Every position's logits [T, V] and the final state [R, 1, H, d, d] of one sequence fed in ``chunks``."""
     pages = -(-len(tokens) // tokens_per_block)
     layout = single_group_layout(cfg, pages + 3, tokens_per_block)
@@ -42,7 +43,7 @@ def run_chunks(params: Params, cfg: ModelConfig, tokens: np.ndarray, chunks: lis
     table = (jnp.asarray(rng.permutation(pages + 2)[:pages] + 1, jnp.int32)[None],) * layout.num_groups
     pool, state, out, start = init_pool(layout), zero_state(cfg, 1), [], 0
     for n in chunks:
-        logits, pool, state = forward(
+        logits, pool, state = forward_for(compile_unit)(
             params, pool, jnp.asarray(tokens[None, start : start + n]), jnp.arange(start, start + n, dtype=jnp.int32)[None],
             table, jnp.array([start + n], jnp.int32), cfg=cfg, layout=layout, logits_mode="all", state=state,
         )
@@ -84,12 +85,14 @@ def test_final_state_matches_numpy_recurrence(hybrid):
     assert rel_err(state[0, 0], expected) < 1e-5
 
 
-def test_chunked_prefill_then_decode_equals_one_shot(hybrid):
+@pytest.mark.parametrize("compile_unit", ["model", "layer"])
+def test_chunked_prefill_then_decode_equals_one_shot(hybrid, compile_unit):
+    """Also layer by layer: the recurrent layers' states pass between their own programs."""
     cfg, params = hybrid
     tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, 560).astype(np.int32)
     whole, whole_state = run_chunks(params, cfg, tokens, [560])
     chunks = [100, 37, 1, 200, 1, 1, 64, 150, 1, 1, 1, 1, 1, 1]
-    parts, parts_state = run_chunks(params, cfg, tokens, chunks)
+    parts, parts_state = run_chunks(params, cfg, tokens, chunks, compile_unit=compile_unit)
     assert rel_err(parts, whole) < 1e-5
     assert rel_err(parts_state, whole_state) < 1e-5
 

@@ -11,7 +11,7 @@ import pytest
 from kvjax.config import KvCacheConfig
 from kvjax.cache import init_pool
 from kvjax.engine import Engine
-from kvjax.model.transformer import CONV_MAX_ROWS, forward, linear, unembed
+from kvjax.model.transformer import CONV_MAX_ROWS, forward, forward_by_layer, forward_for, layer_kind, linear, unembed
 from kvjax.sampling import SamplingParams
 from kvjax.testing.numpy_forward import numpy_logits
 from kvjax.testing.paged import chunked_logits, single_group_layout
@@ -109,6 +109,27 @@ def test_batch8_decode_step_equals_prefill_on_513_tokens(smollm2, hf_reference):
     np.testing.assert_array_equal(np.asarray(step).argmax(-1), np.asarray(whole).argmax(-1))
 
 
+def test_forward_by_layer_equals_forward_on_546_tokens(smollm2, hf_reference):
+    """The layer-by-layer forward (one compiled program per layer kind) gives the whole-model
+    forward's logits and pages on the real text, through chunked prefill and decode steps."""
+    tokens = hf_reference["token_ids"]
+    chunks = [300, 1, 200, 1, len(tokens) - 502]
+    whole, whole_pool, _ = chunked_logits(smollm2.params, smollm2.config, tokens, chunks, compile_unit="model")
+    by_layer, pool, _ = chunked_logits(smollm2.params, smollm2.config, tokens, chunks, compile_unit="layer")
+    assert rel_err(by_layer, whole) < 1e-5
+    np.testing.assert_array_equal(by_layer.argmax(-1), whole.argmax(-1))
+    for a, b in zip(pool.k + pool.v, whole_pool.k + whole_pool.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert {layer_kind(smollm2.config, single_group_layout(smollm2.config, 4, 16), i) for i in range(30)} == {0}
+
+
+def test_forward_for_picks_the_compile_unit():
+    assert forward_for("model") is forward and forward_for("layer") is forward_by_layer
+    assert forward_for("auto") is (forward_by_layer if jax.default_backend() == "cpu" else forward)
+    with pytest.raises(ValueError, match=r"compile_unit='scan' must be one of \('auto', 'model', 'layer'\)"):
+        forward_for("scan")
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1)])
 def test_tiny_paged_equals_numpy_mha_gqa_mqa(num_heads, num_kv_heads):
     cfg, params = tiny_model(seed=num_kv_heads, num_heads=num_heads, num_kv_heads=num_kv_heads)
@@ -117,7 +138,8 @@ def test_tiny_paged_equals_numpy_mha_gqa_mqa(num_heads, num_kv_heads):
     assert rel_err(logits, numpy_logits(params, cfg, tokens)) < 1e-4
 
 
-def test_tiny_sliding_window_gemma_style_equals_numpy():
+@pytest.mark.parametrize("compile_unit", ["model", "layer"])
+def test_tiny_sliding_window_gemma_style_equals_numpy(compile_unit):
     cfg, params = tiny_model(
         seed=7, num_layers=3, num_kv_heads=1, sliding_window=8, global_layer_period=3,
         rope_local_theta=10_000.0, rope_theta=1_000_000.0, qk_norm=True, sandwich_norm=True,
@@ -125,5 +147,7 @@ def test_tiny_sliding_window_gemma_style_equals_numpy():
     )
     assert cfg.layer_windows == (8, 8, cfg.max_seq_len)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 50)
-    logits, _, _ = chunked_logits(params, cfg, tokens, [20, 1, 1, 28], tokens_per_block=4)
+    logits, _, _ = chunked_logits(params, cfg, tokens, [20, 1, 1, 28], tokens_per_block=4, compile_unit=compile_unit)
     assert rel_err(logits, numpy_logits(params, cfg, tokens)) < 1e-4
+    layout = single_group_layout(cfg, 4, 4)
+    assert [layer_kind(cfg, layout, i) for i in range(3)] == [0, 0, 2]  # local layers share a program, the global one has its own
