@@ -27,6 +27,7 @@ sliding window) is refused with the field and the supported values, never loaded
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tokenizers
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -42,6 +44,8 @@ from kvjax.model.config import ModelConfig
 from kvjax.model.rope import ROPE_SCALINGS, RopeScaling
 from kvjax.model.tokenizer import CHATML_TEMPLATE, Tokenizer
 from kvjax.model.transformer import LayerParams, Params
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 """``config.json`` architectures ``load_hf`` reads."""
@@ -121,13 +125,42 @@ def _rope(hf: Mapping[str, Any], kind: str = "full_attention") -> tuple[float, R
 
 
 def _eos_ids(hf: Mapping[str, Any], folder: pathlib.Path) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: ``generation_config.json``'s ``eos_token_id``, else
+    ``config.json``'s, else (as transformers does) the id of ``tokenizer_config.json``'s
+    ``eos_token`` in ``tokenizer.json``, which is logged.
+
+    Raises:
+      ValueError: none of the three names an eos token.
+    """
     eos = _field(hf, "eos_token_id")
     generation = folder / "generation_config.json"
     if generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id", eos)
     if eos is None:
-        raise ValueError("config.json (or generation_config.json) has no eos_token_id")
+        eos = _tokenizer_eos_id(folder)
+    if eos is None:
+        raise ValueError(
+            "no eos token: config.json and generation_config.json have no eos_token_id, and tokenizer_config.json "
+            "names no eos_token that tokenizer.json holds"
+        )
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def _tokenizer_eos_id(folder: pathlib.Path) -> int | None:
+    """The id of ``tokenizer_config.json``'s ``eos_token`` (a string or ``{"content": ...}``) in
+    ``tokenizer.json``; None when either file or the token is missing."""
+    settings_path, tokenizer_path = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if not settings_path.is_file() or not tokenizer_path.is_file():
+        return None
+    token = json.loads(settings_path.read_text()).get("eos_token")
+    token = token.get("content") if isinstance(token, Mapping) else token
+    if not isinstance(token, str):
+        return None
+    eos = tokenizers.Tokenizer.from_file(str(tokenizer_path)).token_to_id(token)
+    if eos is not None:
+        log.info("%s: no eos_token_id in config.json or generation_config.json; using tokenizer_config.json's "
+                 "eos_token %r (id %d)", folder, token, eos)
+    return eos
 
 
 def model_config_from_hf(hf: Mapping[str, Any], folder: pathlib.Path, name: str) -> ModelConfig:
@@ -415,7 +448,7 @@ def save_hf(cfg: ModelConfig, params: Params, tokenizer: Tokenizer | None, folde
     (folder / "config.json").write_text(json.dumps(_config_json(cfg, params, architecture), indent=2))
     if tokenizer is not None:
         tokenizer.backend.save(str(folder / "tokenizer.json"))
-        settings: dict[str, Any] = {"add_bos_token": tokenizer.add_bos}
+        settings: dict[str, Any] = {"add_bos_token": tokenizer.add_bos, "eos_token": tokenizer.backend.id_to_token(cfg.eos_ids[0])}
         if tokenizer.chat_format == "chatml":
             settings["chat_template"] = CHATML_TEMPLATE
         (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))

@@ -169,3 +169,22 @@ def test_smollm2_written_as_an_hf_folder_loads_back_with_identical_logits(smollm
     rows = [0, 255, 519]
     np.testing.assert_array_equal(reference(model.params, model.config, ids, np.float32, rows=rows),
                                   reference(smollm2.params, smollm2.config, ids, np.float32, rows=rows))
+
+
+@pytest.mark.real_model
+def test_eos_falls_back_to_the_tokenizer_config_then_is_refused(smollm2, tmp_path, caplog):
+    """A folder whose config.json names no eos_token_id (as transformers 5 writes some Qwen
+    folders) takes tokenizer_config.json's eos_token, saying so; with no eos anywhere it is refused."""
+    folder = save_hf(smollm2.config, smollm2.params, smollm2.tokenizer, tmp_path / "smollm2")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("eos_token_id")
+    (folder / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("INFO", logger="kvjax.model.hf_checkpoint"):
+        cfg, _ = load_hf(folder)
+    assert cfg.eos_ids == smollm2.config.eos_ids[:1]
+    assert "using tokenizer_config.json's eos_token '<|im_end|>'" in caplog.text
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.pop("eos_token")
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="no eos token: config.json and generation_config.json have no eos_token_id"):
+        load_hf(folder)
