@@ -1,5 +1,10 @@
 """One entry point per attention op; picks the Pallas kernel or the blocked XLA implementation by backend.
 
+The ops: ``partial_attention`` (query rows at positions over paged KV: prefill, chunked
+prefill, verification), ``paged_attention`` (decode) and ``row_attention`` (query rows over
+one sequence's contiguous KV: the blended prefill). Every choice of implementation is made
+here (``_choose``), for the engine and the blended prefill alike.
+
 ``impl``:
   "auto"       the TPU kernel on TPU, the GPU kernel on GPU, the blocked XLA implementation
                elsewhere (CPU). On a Hopper GPU, decode runs the Mosaic GPU kernel
@@ -50,7 +55,7 @@ from kvjax.cache.quant import QuantizedPages
 
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import mosaic_gpu as paged_mosaic_gpu
-from kvjax.attention import blocked
+from kvjax.attention import blocked, rows
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention import gpu as partial_gpu
@@ -205,6 +210,43 @@ def paged_attention(
     return _attend("paged", q, k_pages, v_pages, lengths, page_indices, None, sm_scale=sm_scale,
                    sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, impl=impl,
                    interpret_kernel=interpret_kernel, mesh=mesh)
+
+
+def row_attention(
+    q: jax.Array,
+    q_positions: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    length: jax.Array,
+    *,
+    sm_scale: float,
+    tokens_per_block: int,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    impl: Impl = "auto",
+    interpret_kernel: Kernel = "gpu",
+) -> jax.Array:
+    """Query rows at absolute positions over one sequence's contiguous K/V (slot i holds
+    position i): the blended prefill's attention. Where ``impl`` resolves to the blocked XLA
+    implementation the arrays are read as they are (``kvjax.attention.rows``); the kernels and
+    the reference see them as pages 0, 1, ... of ``partial_attention``. Both mask exactly by position.
+
+    Args:
+      q: [q, H, d]; q_positions: [q] int32 (negative = padding row, output zero).
+      k, v: [T, h, d], T a multiple of ``tokens_per_block``; length: [] int32 valid slots.
+
+    Returns:
+      [q, H, d] in q's dtype.
+    """
+    kernel, _ = _choose(impl, interpret_kernel)
+    options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
+    if kernel == "blocked":
+        return rows.row_attention(q, q_positions, k, v, length, **options)
+    t = k.shape[0]
+    pages = (t // tokens_per_block, tokens_per_block, *k.shape[1:])
+    table = jnp.arange(t // tokens_per_block, dtype=jnp.int32)[None]
+    return partial_attention(q[None], q_positions[None], k.reshape(pages), v.reshape(pages), length[None], table,
+                             impl=impl, interpret_kernel=interpret_kernel, **options)[0]
 
 
 def _over_mesh(

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.common import MASK_VALUE, Carry, check_inputs, initial_carry, softmax_step
+from pallas_kernels.common import MASK_VALUE, Carry, check_inputs, initial_carry, softmax_step, visible_mask
 
 BLOCK_Q = 256
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
@@ -64,12 +64,10 @@ def partial_attention(
     """
     check_inputs(q, q_positions, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
                  logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales)
-    num_seqs, num_queries, num_heads, head_dim = q.shape
-    tokens_per_block, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    group = num_heads // num_kv_heads
+    num_queries = q.shape[1]
+    tokens_per_block = k_pages.shape[1]
     pages_per_seq = page_indices.shape[1]
     pages_per_block = max(1, min(block_k // tokens_per_block, pages_per_seq))
-    slots_per_block = pages_per_block * tokens_per_block
     num_key_blocks = -(-pages_per_seq // pages_per_block)
     page_indices = jnp.pad(page_indices, ((0, 0), (0, num_key_blocks * pages_per_block - pages_per_seq)))
 
@@ -78,45 +76,68 @@ def partial_attention(
     pad = num_query_blocks * rows - num_queries
     q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     q_positions = jnp.pad(q_positions, ((0, 0), (0, pad)), constant_values=-1)
-    last_slot = jnp.max(lengths) - 1
     # Each sequence's page run, gathered once per call and split into key blocks:
     # [num_key_blocks, s, kv_heads, slots_per_block, d]. (Gathering inside the key-block loop
     # instead makes the loop carry the whole pool, which XLA then copies on every call.)
-    runs = [
+    k_blocks, v_blocks = (
         rearrange(_gather(pages, scales, page_indices), "s (n p) t h d -> n s h (p t) d", p=pages_per_block)
         for pages, scales in ((k_pages, k_scales), (v_pages, v_scales))
-    ]
-    def query_block(qb: jax.Array, pos: jax.Array) -> jax.Array:
-        """qb [s, rows, H, d], pos [s, rows] -> [s, rows, H, d] float32."""
-        qg = rearrange(qb, "s q (h g) d -> s h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
-        query_pos = jnp.tile(pos, (1, group))[:, :, None]  # [s, (g q), 1]
-        lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
-        highest = jnp.minimum(jnp.max(pos), last_slot)
-
-        def attend(j: jax.Array, carry: Carry, masked: bool) -> Carry:
-            visible = None
-            if masked:
-                key_pos = j * slots_per_block + jnp.arange(slots_per_block, dtype=jnp.int32)  # [k]
-                visible = (key_pos[None, None, :] <= query_pos) & (key_pos[None, :] < lengths[:, None])[:, None, :]
-                if sliding_window is not None:
-                    visible &= query_pos - key_pos[None, None, :] < sliding_window
-                visible = visible[:, None]  # [s, 1, (g q), k]
-            # qg comes scaled by sm_scale (once per query block, not per key block).
-            return softmax_step(carry, qg, runs[0][j], runs[1][j], visible, sm_scale=1.0, logit_soft_cap=logit_soft_cap)
-
-        shape = (num_seqs, num_kv_heads, group * rows)
-        carry = over_key_blocks(
-            attend, initial_carry(shape, head_dim), num_key_blocks=num_key_blocks, block=slots_per_block,
-            lowest=lowest, highest=highest, sliding_window=sliding_window,
-        )
-        out = normalized(carry, query_pos[:, None, :, 0] >= 0)
-        return rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
-
+    )
+    options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
     blocks = [
-        query_block(q[:, i * rows : (i + 1) * rows], q_positions[:, i * rows : (i + 1) * rows])
+        query_block(q[:, i * rows : (i + 1) * rows], q_positions[:, i * rows : (i + 1) * rows], k_blocks, v_blocks, lengths,
+                    **options)
         for i in range(num_query_blocks)
     ]
     return jnp.concatenate(blocks, axis=1)[:, :num_queries].astype(q.dtype)
+
+
+def query_block(
+    qb: jax.Array,
+    pos: jax.Array,
+    k_blocks: jax.Array,
+    v_blocks: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    logit_soft_cap: float | None,
+) -> jax.Array:
+    """One block of query rows of each sequence over its key blocks: an online softmax over the
+    blocks that hold a visible slot (``over_key_blocks``), masked exactly by position
+    (``pallas_kernels.common.visible_mask``). The step of both blocked implementations: paged
+    (``partial_attention``, the blocks cut from each sequence's gathered page run) and
+    contiguous (``kvjax.attention.rows``, one sequence, s = 1).
+
+    Args:
+      qb: [s, q, H, d] queries; pos: [s, q] int32 their positions (negative = padding row).
+      k_blocks, v_blocks: [n, s, h, k, d] float32, key block j holding slots j*k .. j*k + k - 1.
+      lengths: [s] int32 valid slots of each sequence.
+
+    Returns:
+      [s, q, H, d] float32 (zero for padding rows).
+    """
+    num_key_blocks, _, num_kv_heads, slots_per_block, head_dim = k_blocks.shape
+    group = qb.shape[2] // num_kv_heads
+    qg = rearrange(qb, "s q (h g) d -> s h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
+    query_pos = jnp.tile(pos, (1, group))[:, :, None]  # [s, (g q), 1]
+    lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
+    highest = jnp.minimum(jnp.max(pos), jnp.max(lengths) - 1)
+
+    def attend(j: jax.Array, carry: Carry, masked: bool) -> Carry:
+        visible = None
+        if masked:
+            key_pos = j * slots_per_block + jnp.arange(slots_per_block, dtype=jnp.int32)  # [k]
+            visible = visible_mask(query_pos, key_pos[None, None, :], lengths[:, None, None], sliding_window)[:, None]
+        # qg comes scaled by sm_scale (once per query block, not per key block).
+        return softmax_step(carry, qg, k_blocks[j], v_blocks[j], visible, sm_scale=1.0, logit_soft_cap=logit_soft_cap)
+
+    carry = over_key_blocks(
+        attend, initial_carry((qb.shape[0], num_kv_heads, group * qb.shape[1]), head_dim), num_key_blocks=num_key_blocks,
+        block=slots_per_block, lowest=lowest, highest=highest, sliding_window=sliding_window,
+    )
+    out = normalized(carry, query_pos[:, None, :, 0] >= 0)
+    return rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
 
 
 def normalized(carry: Carry, valid: jax.Array) -> jax.Array:
@@ -217,9 +238,8 @@ def paged_attention(
         for pages, scales in ((k_pages, k_scales), (v_pages, v_scales))
     )  # [s, slots, kv_heads, d]
     key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
-    visible = key_pos < lengths[:, None]  # [s, slots]
-    if sliding_window is not None:
-        visible &= (lengths - 1)[:, None] - key_pos < sliding_window
+    # The query of each sequence sits at lengths - 1: [s, slots].
+    visible = visible_mask((lengths - 1)[:, None], key_pos, lengths[:, None], sliding_window)
     # Slots no query sees may hold anything (the null page, stale or NaN data): zero their
     # values so that 0 * garbage cannot leak; their logits are masked below.
     v = jnp.where(visible[:, :, None, None], v, jnp.zeros((), v.dtype))

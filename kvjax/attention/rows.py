@@ -5,14 +5,14 @@ holds position i) and recomputes a subset of rows. Seen as pages with an identit
 table this is ``partial_attention_ref``'s contract, which is the reference here; this
 implementation computes the same thing without the page view:
 
-- query rows in blocks of ``block_q``; each block runs an online softmax over key blocks of
+- query rows in blocks of ``block_q``; each block runs the paged implementation's step
+  (``blocked.query_block``: an online softmax over key blocks) over key blocks of
   ``block_k`` slots cut from the contiguous K/V (no gather; one float32 copy per call);
 - a block visits only the key blocks between its lowest visible position (the sliding
   window) and its highest query position (a dynamic trip count), so rows sorted by
   position attend over a causal staircase: for rows spread evenly over the sequence about
   half the keys, instead of all of them; key blocks below a query block's lowest position
-  skip the mask (the online-softmax step is ``pallas_kernels.common``'s, the block ranges
-  ``blocked``'s);
+  skip the mask;
 - no ``[rows, keys]`` score matrix wider than one key block is materialised.
 
 Masking is exact by position, as in the reference::
@@ -36,8 +36,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from kvjax.attention.blocked import normalized, over_key_blocks
-from pallas_kernels.common import Carry, initial_carry, softmax_step
+from kvjax.attention.blocked import query_block
 
 BLOCK_Q = 64
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
@@ -76,7 +75,7 @@ def row_attention(
     Returns:
       [num_queries, num_heads, head_dim] in q's dtype.
     """
-    num_queries, num_heads, head_dim = q.shape
+    num_queries, num_heads = q.shape[:2]
     kv_len, num_kv_heads = k.shape[0], k.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -86,44 +85,26 @@ def row_attention(
         raise ValueError(f"q_positions.shape={q_positions.shape} must be (num_queries,)=({num_queries},)")
     if block_q < 1 or block_k < 1:
         raise ValueError(f"{block_q=} and {block_k=} must be >= 1")
-    group = num_heads // num_kv_heads
     block_k = min(block_k, kv_len)
     num_key_blocks = -(-kv_len // block_k)
     key_pad = num_key_blocks * block_k - kv_len
     k_blocks, v_blocks = (
-        rearrange(jnp.pad(x.astype(jnp.float32), ((0, key_pad), (0, 0), (0, 0))), "(n k) h d -> n h k d", k=block_k)
+        rearrange(jnp.pad(x.astype(jnp.float32), ((0, key_pad), (0, 0), (0, 0))), "(n k) h d -> n h k d", k=block_k)[:, None]
         for x in (k, v)
-    )  # [n, h, k, d] float32: both products run in float32
+    )  # [n, 1, h, k, d] float32, one sequence: both products run in float32
     rows = min(block_q, num_queries)
     num_query_blocks = -(-num_queries // rows)
     row_pad = num_query_blocks * rows - num_queries
     q = jnp.pad(q, ((0, row_pad), (0, 0), (0, 0)))
     q_positions = jnp.pad(q_positions, (0, row_pad), constant_values=-1)
-    length = jnp.minimum(jnp.asarray(length, jnp.int32), kv_len)
+    lengths = jnp.minimum(jnp.asarray(length, jnp.int32), kv_len)[None]  # [1]
+    options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
 
-    def query_block(qb: jax.Array, pos: jax.Array) -> jax.Array:
-        """qb [rows, H, d], pos [rows] -> [rows, H, d] float32."""
-        qg = rearrange(qb, "q (h g) d -> h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
-        query_pos = jnp.tile(pos, group)[:, None]  # [(g q), 1]
-        lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
-        highest = jnp.minimum(jnp.max(pos), length - 1)
-
-        def attend(j: jax.Array, carry: Carry, masked: bool) -> Carry:
-            visible = None
-            if masked:
-                key_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [k]
-                visible = (key_pos[None, :] <= query_pos) & (key_pos[None, :] < length)  # [(g q), k]
-                if sliding_window is not None:
-                    visible &= query_pos - key_pos[None, :] < sliding_window
-            # qg comes scaled by sm_scale (once per query block, not per key block).
-            return softmax_step(carry, qg, k_blocks[j], v_blocks[j], visible, sm_scale=1.0, logit_soft_cap=logit_soft_cap)
-
-        carry = over_key_blocks(
-            attend, initial_carry((num_kv_heads, group * rows), head_dim), num_key_blocks=num_key_blocks,
-            block=block_k, lowest=lowest, highest=highest, sliding_window=sliding_window,
-        )
-        return rearrange(normalized(carry, query_pos[:, 0] >= 0), "h (g q) d -> q (h g) d", g=group)
+    def one_block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """A block of rows [rows, H, d] at positions [rows] -> [rows, H, d] float32."""
+        qb, pos = args
+        return query_block(qb[None], pos[None], k_blocks, v_blocks, lengths, **options)[0]
 
     q_blocks = rearrange(q, "(n q) H d -> n q H d", q=rows)
-    out = jax.lax.map(lambda args: query_block(*args), (q_blocks, q_positions.reshape(num_query_blocks, rows)))
+    out = jax.lax.map(one_block, (q_blocks, q_positions.reshape(num_query_blocks, rows)))
     return rearrange(out, "n q H d -> (n q) H d")[:num_queries].astype(q.dtype)

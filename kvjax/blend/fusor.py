@@ -10,9 +10,9 @@ For every layer l (compiled as a check phase plus one reused layer step, see
    layer their deviation from the reused KV narrows the set (``selection.narrow``);
 3. the recomputed rows' K/V overwrite the reused ones in the layer's contiguous K/V (the
    fused KV);
-4. the recomputed rows attend over it (``attend_rows``: on CPU blocked attention straight
-   over the contiguous K/V, elsewhere the backend's ``attention.partial_attention`` with the
-   array seen as pages 0, 1, ...), with a causal mask exact by position
+4. the recomputed rows attend over it (``attention.row_attention``: the blocked XLA
+   implementation straight over the contiguous K/V, a kernel with the array seen as pages
+   0, 1, ...), with a causal mask exact by position
    (``key_pos <= query_pos``), and run the MLP. After a check the kept rows are in token
    order, so blocks of rows attend over a causal staircase of keys;
 5. the layer's fused KV is written into the sequence's pages (``write_layer_fused``; tokens
@@ -54,7 +54,6 @@ from kvjax.cache.layout import CacheLayout
 from kvjax.cache.pool import PagePool, Pages, read_slots, slot_mapping, write_layer
 from kvjax.model import transformer
 from kvjax.model.config import ModelConfig
-from kvjax.attention.rows import row_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,48 +179,12 @@ def blend_layer(
     target = jnp.where(rows.valid, rows.idx, t)  # invalid rows write nowhere
     seq_k = seq_k.at[target].set(k[0].astype(seq_k.dtype), mode="drop")
     seq_v = seq_v.at[target].set(v[0].astype(seq_v.dtype), mode="drop")
-    out = attend_rows(
+    out = attention.row_attention(
         q[0], row_pos, seq_k, seq_v, inputs.length[0], sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer),
-        tokens_per_block=layout.tokens_per_block, attn_impl=attn_impl,
+        tokens_per_block=layout.tokens_per_block, impl=attn_impl,
     )  # [M, H, d]
     x = transformer.finish_layer(lp, cfg, rows.x[None], out[None])[0]
     return rows.replace(x=x), seq_k, seq_v, out
-
-
-def attend_rows(
-    q: jax.Array,
-    q_positions: jax.Array,
-    seq_k: jax.Array,
-    seq_v: jax.Array,
-    length: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None,
-    tokens_per_block: int,
-    attn_impl: attention.Impl,
-) -> jax.Array:
-    """Attention of the recomputed rows over the sequence's fused contiguous K/V.
-
-    On CPU with ``attn_impl`` "auto" or "blocked" this is ``rows.row_attention`` straight over
-    the contiguous arrays; otherwise (TPU/GPU kernels, "reference", "interpret") the arrays are
-    seen as pages 0, 1, ... of ``attention.partial_attention``. Both mask exactly by position.
-
-    Args:
-      q: [M, H, d]; q_positions: [M] int32 (negative = padding row, output zero).
-      seq_k, seq_v: [T, K, d] (T a multiple of ``tokens_per_block``); length: [] int32 valid slots.
-
-    Returns:
-      [M, H, d] in q's dtype.
-    """
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window)
-    if attn_impl in ("auto", "blocked") and jax.default_backend() == "cpu":
-        return row_attention(q, q_positions, seq_k, seq_v, length, **options)
-    t = seq_k.shape[0]
-    pages = (t // tokens_per_block, tokens_per_block, *seq_k.shape[1:])
-    return attention.partial_attention(
-        q[None], q_positions[None], seq_k.reshape(pages), seq_v.reshape(pages), length[None],
-        jnp.arange(t // tokens_per_block, dtype=jnp.int32)[None], impl=attn_impl, **options,
-    )[0]
 
 
 def read_layer(k_pages: Pages, v_pages: Pages, inputs: BlendInputs, *, cfg: ModelConfig, layout: CacheLayout, layer: int) -> tuple[jax.Array, jax.Array]:

@@ -186,3 +186,13 @@ def check_engine_options(
         ) if present]
         if lacking:
             raise ValueError(f"an engine over a device mesh does not support {', '.join(lacking)} yet; drop the mesh or these")
+    if cfg.is_hybrid and kv_config is not None:
+        limit = max_seq_len or cfg.max_seq_len
+        mamba = kv_config.mamba_state_config
+        for name in ("additional_snapshot_offsets_from_start", "additional_snapshot_offsets_from_end"):
+            past = [o for o in getattr(mamba, name) if o >= limit]
+            if past:
+                raise ValueError(
+                    f"kv_cache_config.mamba_state_config.{name}={list(getattr(mamba, name))!r} holds {past}, at or past "
+                    f"the engine's max_seq_len={limit}: no sequence reaches them; each must be in [0, {limit})"
+                )

@@ -1,7 +1,7 @@
 """Row attention over one sequence's contiguous K/V (``kvjax/attention/rows.py``)
 against the paged reference with an identity block table: scattered, unsorted and padding
 rows, GQA/MQA, sliding windows, soft-cap, NaN past the length, one and several query / key
-blocks; and the fusor's dispatch (``attend_rows``) on both of its paths."""
+blocks; and the dispatch (``attention.row_attention``) on both of its paths."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.blend.fusor import attend_rows
+from kvjax import attention
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 from kvjax.attention.rows import row_attention
 
@@ -93,15 +93,15 @@ def test_bad_shapes_name_the_field():
         row_attention(jnp.zeros((4, 4, 16)), jnp.zeros(4, jnp.int32), k, k, jnp.int32(1), sm_scale=1.0, block_q=0)
 
 
-@pytest.mark.parametrize("attn_impl", ["auto", "reference"])
-def test_fusor_dispatch_matches_reference(attn_impl):
-    """``attend_rows`` gives the reference result on the contiguous-K/V path and the paged path."""
+@pytest.mark.parametrize("attn_impl", ["auto", "blocked", "reference"])
+def test_dispatch_matches_reference(attn_impl):
+    """``attention.row_attention`` gives the reference result on the contiguous-K/V path and the paged path."""
     length = SLOTS - 3
     q, positions, k, v = make_case(3, (6, 3), num_rows=20, length=length)
     k, v = np.nan_to_num(k), np.nan_to_num(v)
     expected = reference(q, positions, k, v, length, sliding_window=9)
-    actual = attend_rows(
+    actual = attention.row_attention(
         jnp.asarray(q), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), jnp.int32(length),
-        sm_scale=q.shape[-1] ** -0.5, sliding_window=9, tokens_per_block=PAGE, attn_impl=attn_impl,
+        sm_scale=q.shape[-1] ** -0.5, sliding_window=9, tokens_per_block=PAGE, impl=attn_impl,
     )
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=2e-5, atol=2e-6)
