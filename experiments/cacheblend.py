@@ -39,7 +39,7 @@ from experiments import cacheblend_eval as ev
 from experiments import cacheblend_report, report
 from experiments.cacheblend_report import DEVIATIONS, PIECES, RECORDS, STATE, read_lines
 from experiments.policies import POLICIES, policy
-from experiments.timing import compile_counter, machine_limits, memory_mappings, release_executables
+from experiments.timing import compile_counter, machine_limits, mappings_limit, memory_mappings, release_executables
 from kvjax import metrics
 from kvjax.blend import loading_controller
 
@@ -197,7 +197,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     pieces = read_lines(workdir / PIECES)
     piece = {"piece": len(pieces), "prompts": scored, "seconds": time.perf_counter() - started, "code": code,
              "machine": {"cpu": loading_controller.cpu_name(), "cores": os.cpu_count(),
-                         "backend": jax.default_backend(), **machine_limits()},
+                         "backend": jax.default_backend(), "max_map_count": mappings_limit(), **machine_limits()},
              "timing": dataclasses.asdict(log), "compile_s": compiled.seconds, "programs": compiled.programs,
              "backend_compiles": compiled.backend_compiles, "executables_released": releases, "ended": datetime.datetime.now().isoformat(timespec="seconds")}
     with open(workdir / PIECES, "a") as f:

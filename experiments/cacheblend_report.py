@@ -158,6 +158,7 @@ def _pieces_text(pieces: list[dict]) -> str:
              "last": max(p["prompts"], default=None), "seconds": p["seconds"], "compile_s": p["compile_s"],
              "code": p["code"], "cpu": p["machine"]["cpu"], "cores": p["machine"]["cores"],
              "matmul_GFLOP_s": p["machine"]["matmul_2048_gflops"], "copy_GB_s": p["machine"]["copy_gb_s"],
+             "max_map_count": p["machine"].get("max_map_count", "-"), "released": p["executables_released"],
              "ended": p["ended"]} for p in pieces]
     return report.markdown_table(rows) if rows else "(no piece has ended yet)\n"
 

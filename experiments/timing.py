@@ -67,16 +67,23 @@ MAPPINGS_HEADROOM = 0.5
 programs: a prompt of the ratio sweep compiles up to ~200 programs of ~90 mappings each."""
 
 
+def mappings_limit() -> int | None:
+    """The kernel's limit on one process's memory mappings (``vm.max_map_count``; None where
+    it cannot be read). Raising it (``sysctl vm.max_map_count=262144``) lets a long run keep
+    4x more compiled programs before ``release_executables`` drops them."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
 def release_executables() -> bool:
     """Drops every compiled program (``jax.clear_caches``) when this process holds more than
     ``MAPPINGS_HEADROOM`` of the kernel's mapping limit; the next call of each recompiles, or
     loads it from the persistent compilation cache. Returns whether it dropped them."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-    except OSError:
-        return False
-    if memory_mappings() <= MAPPINGS_HEADROOM * limit:
+    limit = mappings_limit()
+    if limit is None or memory_mappings() <= MAPPINGS_HEADROOM * limit:
         return False
     jax.clear_caches()
     gc.collect()
