@@ -295,21 +295,50 @@ def forward(
       row's last valid token as a third element.
     """
     _check_state(cfg, state)
-    x = embed_tokens(params, cfg, tokens)
+    x, pool, carry = _run_layers(
+        params, pool, embed_tokens(params, cfg, tokens), positions, block_tables, lengths, cfg=cfg, layout=layout,
+        attn_impl=attn_impl, mesh=mesh, exit_layer=exit_layer, state=state, attend=attend_layer, recur=recurrent_layer,
+    )
+    return (output_logits(params, cfg, x, positions, logits_mode), pool, *carry)
+
+
+def _run_layers(
+    params: Params,
+    pool: PagePool,
+    x: jax.Array,
+    positions: jax.Array,
+    block_tables: tuple[jax.Array, ...],
+    lengths: jax.Array,
+    *,
+    cfg: ModelConfig,
+    layout: CacheLayout,
+    attn_impl: attention.Impl,
+    mesh: Mesh | None,
+    exit_layer: int | None,
+    state: jax.Array | None,
+    attend: Callable[..., tuple[jax.Array, jax.Array, jax.Array]],
+    recur: Callable[..., tuple[jax.Array, jax.Array]],
+) -> tuple[jax.Array, PagePool, tuple[jax.Array, ...]]:
+    """The decoder layers [0, exit_layer) of ``forward`` and ``forward_by_layer``: ``attend``
+    (``attend_layer``'s signature, given the layer's ``layer_kind``) for attention layers,
+    ``recur`` (``recurrent_layer``'s) for recurrent ones.
+
+    Returns:
+      (x leaving the last layer [S, T, D], the pool, () or (state [R, S, H, d, d],)).
+    """
     pool_k, pool_v = list(pool.k), list(pool.v)
     states = [] if state is None else list(state)
     for layer, lp in enumerate(params.layers[:exit_layer]):
         if cfg.is_recurrent(layer):
             r = cfg.recurrent_layers.index(layer)
-            x, states[r] = recurrent_layer(lp, cfg, x, positions, states[r])
+            x, states[r] = recur(lp, cfg, x, positions, states[r])
             continue
-        x, pool_k[layer], pool_v[layer] = attend_layer(
-            lp, cfg, layout, layer, pool_k[layer], pool_v[layer], x, positions,
+        x, pool_k[layer], pool_v[layer] = attend(
+            lp, cfg, layout, layer_kind(cfg, layout, layer), pool_k[layer], pool_v[layer], x, positions,
             block_tables[layout.layer_group[layer]], lengths, attn_impl, mesh,
         )
-    pool = PagePool(k=tuple(pool_k), v=tuple(pool_v))
     carry = () if state is None else (jnp.stack(states),)
-    return (output_logits(params, cfg, x, positions, logits_mode), pool, *carry)
+    return x, PagePool(k=tuple(pool_k), v=tuple(pool_v)), carry
 
 
 def _check_state(cfg: ModelConfig, state: jax.Array | None) -> None:
@@ -379,20 +408,10 @@ def forward_by_layer(
     """
     _check_state(cfg, state)
     outer = params.replace(layers=())  # what the embedding and the head read
-    x = _embed_step(outer, cfg, tokens)
-    pool_k, pool_v = list(pool.k), list(pool.v)
-    states = [] if state is None else list(state)
-    for layer, lp in enumerate(params.layers[:exit_layer]):
-        if cfg.is_recurrent(layer):
-            r = cfg.recurrent_layers.index(layer)
-            x, states[r] = _recurrent_step(lp, cfg, x, positions, states[r])
-            continue
-        x, pool_k[layer], pool_v[layer] = _attend_step(
-            lp, cfg, layout, layer_kind(cfg, layout, layer), pool_k[layer], pool_v[layer], x, positions,
-            block_tables[layout.layer_group[layer]], lengths, attn_impl, mesh,
-        )
-    pool = PagePool(k=tuple(pool_k), v=tuple(pool_v))
-    carry = () if state is None else (jnp.stack(states),)
+    x, pool, carry = _run_layers(
+        params, pool, _embed_step(outer, cfg, tokens), positions, block_tables, lengths, cfg=cfg, layout=layout,
+        attn_impl=attn_impl, mesh=mesh, exit_layer=exit_layer, state=state, attend=_attend_step, recur=_recurrent_step,
+    )
     return (_logits_step(outer, cfg, x, positions, logits_mode), pool, *carry)
 
 
