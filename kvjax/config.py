@@ -481,7 +481,7 @@ class SpeculativeConfig:
       method: "ngram" (prompt lookup: the tokens that followed the most recent earlier
         occurrence of the context's last n tokens) or "early_exit" (self-speculation: the
         model's first ``exit_layer`` layers and its LM head, over the same paged cache).
-      num_draft_tokens: k, tokens drafted per decode step, in [1, MAX_DRAFT_TOKENS].
+      num_draft_tokens: tokens drafted per decode step, in [1, MAX_DRAFT_TOKENS].
       ngram_sizes: (min, max) n of the prompt lookup, 1 <= min <= max; the longest n that
         matches wins ("ngram" only).
       exit_layer: m, layers the early-exit drafter runs, in [1, num_layers - 1] (checked

@@ -1,4 +1,4 @@
-"""Decode steps as one device program: page allocation, forward and sampling, N steps per dispatch.
+"""Decode steps as one device program: page allocation, forward and sampling, several steps per dispatch.
 
 With Manager V2 (``kvjax.manager.functional``) the allocation state is a pytree, so a decode
 step needs nothing from the host: ``decode_steps`` runs, inside one ``lax.while_loop``,
@@ -12,9 +12,8 @@ up to ``num_steps`` iterations of
    and writes nothing more (its later iterations are padding rows); the loop ends early
    once every row has finished.
 
-Shapes: B = batch rows the forward runs (a bucket of the running requests), R = block-table
-rows (``PageState.max_seqs``), N = ``num_steps``, W = block-table columns the forward reads
-(``width``), V = vocab.
+Axis letters are ``kvjax/axes.py``'s: the forward runs s rows (a bucket of the running
+requests) out of the S block-table rows, over p = ``width`` block-table columns.
 """
 
 from __future__ import annotations
@@ -65,21 +64,21 @@ def decode_steps(
       pool: the page pool (donated).
       states: one ``PageState`` per layer group (donated); its ``seq_lens`` are the tokens
         whose KV is written.
-      row_ids: [B] int32 the block-table row of each batch row (distinct; padding rows repeat
+      row_ids: [s] int32 the block-table row of each batch row (distinct; padding rows repeat
         any row and are inactive).
-      tokens: [B] int32 each row's input token (its last sampled one, KV not yet written).
-      active: [B] bool rows that decode.
-      stop_ids: [B] int32 stop token per row (-1 = none).
-      budgets: [B] int32 tokens each row may still emit, >= 1 for active rows.
-      temperature, top_p: [B] float32; seeds: [B] int32; counters: [B] int32 tokens each
+      tokens: [s] int32 each row's input token (its last sampled one, KV not yet written).
+      active: [s] bool rows that decode.
+      stop_ids: [s] int32 stop token per row (-1 = none).
+      budgets: [s] int32 tokens each row may still emit, >= 1 for active rows.
+      temperature, top_p: [s] float32; seeds: [s] int32; counters: [s] int32 tokens each
         row has generated (its sampling-key counter).
-      num_steps: N, iterations at most.
-      width: W, block-table columns the forward reads: at least the pages of the longest
-        row after N steps (static, so a bucket of it).
+      num_steps: iterations at most.
+      width: p, block-table columns the forward reads: at least the pages of the longest
+        row after ``num_steps`` steps (static, so a bucket of it).
 
     Returns:
-      (pool, states, emitted [B, N] int32 tokens per step (-1 after a row finished),
-      num_emitted [B] int32, ok [] bool: False if a group ran out of pages, in which case
+      (pool, states, emitted [s, num_steps] int32 tokens per step (-1 after a row finished),
+      num_emitted [s] int32, ok [] bool: False if a group ran out of pages, in which case
       the rows stopped at the step that lacked them and their states are those before it).
     """
     rows = tokens.shape[0]
@@ -91,7 +90,7 @@ def decode_steps(
 
     def body(carry: tuple) -> tuple:
         step, pool, states, tokens, active, budgets, counters, emitted, num_emitted, ok = carry
-        held = jnp.zeros(states[0].max_seqs, bool).at[row_ids].max(active)  # [R]
+        held = jnp.zeros(states[0].max_seqs, bool).at[row_ids].max(active)  # [S]
         grown = [F.append_tokens(s, held) for s in states]
         ok = jnp.all(jnp.stack([g[2] for g in grown]))
         states = tuple(F.select(ok, g[0], s) for g, s in zip(grown, states))
@@ -103,7 +102,7 @@ def decode_steps(
             params, pool, tokens[:, None], positions[:, None], tables, lengths,
             cfg=cfg, layout=layout, logits_mode="last", attn_impl=attn_impl,
         )
-        sampled = sample(logits, temperature, top_p, seeds, counters)  # [B]
+        sampled = sample(logits, temperature, top_p, seeds, counters)  # [s]
         emitted = emitted.at[:, step].set(jnp.where(active, sampled, -1))
         num_emitted = num_emitted + active
         counters = counters + active

@@ -8,10 +8,10 @@ Mesh axes (fixed here, used by every ``PartitionSpec`` in this module)::
 
 Sharding of each array (``-`` = replicated)::
 
-    pool k/v     [num_pages, tokens_per_block, num_kv_heads, head_dim]   (pages, -, kv, -)
-    wq, wk, wv   [D, heads * head_dim]                            (-, kv)     column-parallel
-    bq, bk, bv   [heads * head_dim]                               (kv)        with their columns
-    wo           [H * head_dim, D]                                (kv, -)     row-parallel
+    pool k/v     [P, t, h, d]                                     (pages, -, kv, -)
+    wq; wk, wv   [D, H*d]; [D, h*d]                               (-, kv)     column-parallel
+    bq; bk, bv   [H*d]; [h*d]                                     (kv)        with their columns
+    wo           [H*d, D]                                         (kv, -)     row-parallel
     w_gate, w_up [D, F]                                           (-, mlp)    column-parallel
     w_down       [F, D]                                           (mlp, -)    row-parallel
     norms, embed, lm_head, block tables, lengths, tokens, positions replicated
@@ -21,17 +21,17 @@ else ``"kv"`` (else replicated). The embedding (tied with the output projection)
 vocabulary would add an all-reduce to the lookup and an all-gather of the logits for
 sampling, for a table that is a small share of memory next to a large cache.
 
-Why this is collective-free in attention: query head ``h`` only reads KV head
-``h // (H / K)``, so splitting the KV heads ``K`` over ``kv`` and the query heads the same
-way (heads are laid out ``(kv_head, group)`` in ``wq``'s columns) keeps each device's
-attention local. Each layer then needs exactly two all-reduces of the ``[S, T, D]``
-residual stream (after ``wo`` and after ``w_down``), as in Megatron-LM. The pool is never
-all-gathered; ``collectives`` reads the compiled HLO so tests can check that.
+Why this is collective-free in attention: query head ``i`` only reads KV head ``i // g``
+(g = H / h), so splitting the h KV heads over ``kv`` and the H query heads the same way
+(laid out ``(h g)`` in ``wq``'s columns) keeps each device's attention local. Each layer
+then needs exactly two all-reduces of the ``[s, q, D]`` residual stream (after ``wo`` and
+after ``w_down``), as in Megatron-LM. The pool is never all-gathered; ``collectives`` reads
+the compiled HLO so tests can check that.
 
 The ``pages`` axis: each device holds ``num_pages / pages`` of every pool. Writing a token
 is a scatter that only the owning device applies. Reading a sequence's pages is a gather
 that every device runs over its own pages (others read as zeros), followed by an all-reduce
-of the gathered ``[S, pages_per_seq, tokens_per_block, K/kv, head_dim]`` KV — the price of a
+of the gathered ``[s, p, t, h / kv, d]`` KV (``kv``: that mesh axis's size) — the price of a
 larger cache; the pool itself is still never gathered.
 
 Choosing the mesh when the device count does not divide the KV heads (SmolLM2 has 3 KV
@@ -51,7 +51,7 @@ device under ``shard_map``, since the partitioner cannot split a kernel's custom
 Multi-host: call ``initialize_distributed()`` first in every process, then build the mesh
 from ``jax.devices()`` (all hosts' devices) as on one host.
 
-Shapes: S = sequences, T = query tokens, D = d_model, H = heads, K = kv heads, F = ffn_dim.
+Axis letters are ``kvjax/axes.py``'s.
 """
 
 from __future__ import annotations
@@ -227,8 +227,8 @@ def sharded_forward(
     ``shard_pool``/``init_sharded_pool`` (donated); the step's host inputs are replicated.
 
     Args:
-      tokens, positions: [S, T] int32; block_tables: one [S, pages_per_seq] int32 per group;
-        lengths: [S] int32 (as in ``forward``).
+      tokens, positions: [s, q] int32; block_tables: one [s, p] int32 per group;
+        lengths: [s] int32 (as in ``forward``).
 
     Returns:
       (logits replicated, or None; the updated pool, sharded like the input pool).

@@ -12,7 +12,7 @@ Host-side numpy functions over arrays read back from the device:
                gold answers), needle-in-a-haystack exact retrieval;
   statistics   percentile bootstrap intervals over prompts (paired when comparing policies).
 
-Shapes: L = layers, T = tokens, K = kv heads, d = head_dim, N = continuation tokens, V = vocab.
+Axis letters are ``kvjax/axes.py``'s.
 """
 
 from __future__ import annotations
@@ -35,27 +35,27 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """KL(P_ref || P) per position: [N, V] x2 -> [N] (nats)."""
+    """KL(P_ref || P) per position: [..., v] x2 -> [...] (nats)."""
     lp, lq = log_softmax(ref_logits), log_softmax(logits)
     return np.sum(np.exp(lp) * (lp - lq), axis=-1)
 
 
 def top1_agreement(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """[N] bool: the argmax tokens agree."""
+    """[...] bool: the argmax tokens agree (logits [..., v] x2)."""
     return np.argmax(ref_logits, axis=-1) == np.argmax(logits, axis=-1)
 
 
 def first_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> int:
-    """First position whose argmax differs; N if none (greedy decoding follows the reference
-    exactly up to this position)."""
+    """First position (row of the logits, [positions, v] each) whose argmax differs; the number
+    of positions if none (greedy decoding follows the reference exactly up to this position)."""
     differ = np.flatnonzero(~top1_agreement(ref_logits, logits))
     return int(differ[0]) if len(differ) else int(ref_logits.shape[0])
 
 
 def answer_log_likelihood(logits: np.ndarray, answer: Sequence[int]) -> float:
     """Mean log-probability per token (nats, <= 0) of ``answer`` teacher-forced: ``logits``
-    [A, V] are the logits before each of its A tokens (the prompt's last position, then
-    after each answer token but the last)."""
+    [len(answer), v] are the logits before each of its tokens (the prompt's last position,
+    then after each answer token but the last)."""
     answer = np.asarray(answer, np.int64)
     if logits.shape[0] != len(answer) or len(answer) == 0:
         raise ValueError(f"logits {logits.shape} must hold one row per answer token ({len(answer)}, at least 1)")
@@ -66,11 +66,11 @@ def kv_deviation(k: np.ndarray, v: np.ndarray, k_ref: np.ndarray, v_ref: np.ndar
     """Squared L2 deviation per layer and token, summed over heads and head_dim.
 
     Args:
-      k, v, k_ref, v_ref: [L, T, K, d].
+      k, v, k_ref, v_ref: [l, T, h, d].
       kind: "k", "v" or "kv".
 
     Returns:
-      [L, T] float64.
+      [l, T] float64.
     """
     dk = np.sum(np.square(np.asarray(k, np.float64) - k_ref), axis=(-2, -1))
     dv = np.sum(np.square(np.asarray(v, np.float64) - v_ref), axis=(-2, -1))
@@ -78,20 +78,20 @@ def kv_deviation(k: np.ndarray, v: np.ndarray, k_ref: np.ndarray, v_ref: np.ndar
 
 
 def relative_kv_deviation(dev: np.ndarray, k_ref: np.ndarray, v_ref: np.ndarray) -> np.ndarray:
-    """``dev`` [L, T] divided by each layer's mean squared K+V norm over the tokens."""
+    """``dev`` [l, T] divided by each layer's mean squared K+V norm over the tokens."""
     norm = np.mean(np.sum(np.square(k_ref, dtype=np.float64), axis=(-2, -1)) + np.sum(np.square(v_ref, dtype=np.float64), axis=(-2, -1)), axis=1)
     return dev / np.maximum(norm, 1e-30)[:, None]
 
 
 def top_share(dev: np.ndarray, fraction: float = 0.15) -> np.ndarray:
-    """Share of each layer's total deviation held by its top ``fraction`` of tokens: [L, T] -> [L]."""
+    """Share of each layer's total deviation held by its top ``fraction`` of tokens: [l, T] -> [l]."""
     n = max(1, int(np.ceil(fraction * dev.shape[1])))
     top = -np.sort(-dev, axis=1)[:, :n]
     return top.sum(axis=1) / np.maximum(dev.sum(axis=1), 1e-30)
 
 
 def adjacent_layer_spearman(dev: np.ndarray) -> np.ndarray:
-    """Spearman rank correlation of token deviations between layers l and l+1: [L, T] -> [L-1]."""
+    """Spearman rank correlation of token deviations between adjacent layers: [l, T] -> [l - 1]."""
     return np.asarray([scipy_stats.spearmanr(dev[i], dev[i + 1]).statistic for i in range(dev.shape[0] - 1)])
 
 
@@ -99,10 +99,10 @@ def attention_deviation(attn: np.ndarray, attn_ref: np.ndarray, valid: np.ndarra
     """Relative L2 deviation of rows' attention outputs per layer.
 
     Args:
-      attn, attn_ref: [L, P, H*d]; valid: [P] rows to include.
+      attn, attn_ref: [l, o, H*d] (the probe rows); valid: [o] rows to include.
 
     Returns:
-      [L]: mean over valid rows of ||attn - attn_ref|| / ||attn_ref||.
+      [l]: mean over valid rows of ||attn - attn_ref|| / ||attn_ref||.
     """
     a, r = np.asarray(attn, np.float64)[:, valid], np.asarray(attn_ref, np.float64)[:, valid]
     return np.mean(np.linalg.norm(a - r, axis=-1) / np.maximum(np.linalg.norm(r, axis=-1), 1e-30), axis=1)
@@ -136,7 +136,7 @@ def recompute_flop_fraction(cfg: ModelConfig, recomputed: np.ndarray, num_tokens
     """FLOPs of a (partial) prefill over those of the full prefill.
 
     Args:
-      recomputed: [L, T] bool rows computed at each layer.
+      recomputed: [l, T] bool rows computed at each layer.
       num_tokens: prompt tokens (full prefill computes all of them in every layer).
       qkv_checks: check layers, where the previous layer's rows got q/k/v before narrowing.
     """
@@ -211,8 +211,8 @@ def bootstrap_statistic(columns: Sequence[np.ndarray], statistic: Callable[..., 
     """(value, low, high) of ``statistic`` over paired per-prompt columns, resampling prompts.
 
     Args:
-      columns: arrays [P] over the same prompts in the same order.
-      statistic: maps the columns, each [..., P], to [...] (vectorized over resamples), e.g.
+      columns: arrays [prompts] over the same prompts in the same order.
+      statistic: maps the columns, each [..., prompts], to [...] (vectorized over resamples), e.g.
         a ratio of means ``lambda a, b: a.mean(-1) / b.mean(-1)``.
 
     NaN resamples (a statistic undefined there) are left out of the interval.

@@ -21,7 +21,7 @@ Prompt layout (``BlendPrompt``)::
 
     | prefix (exact) | chunk 0 | ... | chunk n-1 | suffix |
 
-Shapes: L = layers, T = prompt tokens, K = kv heads, d = head_dim, V = vocab, N = continuation.
+Axis letters are ``kvjax/axes.py``'s.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ class PolicyRun:
     """One policy's engine request.
 
     Attributes:
-      logits: [R + G - 1, V] float32: the last R prompt positions (R = 1 + fed tokens; 1 for
-        full recompute), then the positions of the G - 1 generated tokens after the first.
+      logits: [len(feed) + len(tokens), v] float32: the logits after the prompt and after each
+        fed token (1 + len(feed) rows; 1 for full recompute), then those after each generated
+        token but the last.
       tokens: generated tokens (greedy).
       ttft_s: submission to first token, seconds.
       trace: the fusor trace (``attn``, ``recomputed``, ``k``, ``v``) or None.
@@ -214,7 +215,7 @@ class Blender:
           max_new_tokens: greedy tokens generated after the prompt and ``feed``.
           num_probes: > 0 keeps the fusor trace (probe attention, rows, fused KV); such runs
             prefill one by one.
-          scores: [L, T] true deviation for the "oracle" selector.
+          scores: [l, T] true deviation for the "oracle" selector.
           pipelined, timeline: ``ChunkReuse.pipelined`` and ``ChunkReuse.timeline``.
           fill_last_page: generate at least ``fill_tokens(prompt)`` tokens, so that ``extend``
             can continue the run over every chunk token (the first token alone sets the TTFT;
@@ -269,7 +270,7 @@ class Blender:
 
     def cached_kv(self, run: PolicyRun) -> tuple[np.ndarray, np.ndarray]:
         """The KV a run left in the engine's pages for its prompt's full blocks (the tokens
-        a continuation reuses), as the engine holds it: k, v [L, covered, K, d] (quantized
+        a continuation reuses), as the engine holds it: k, v [l, covered, h, d] (quantized
         pages dequantized), ``covered`` = the prompt's tokens up to its last full block.
 
         Raises:

@@ -5,7 +5,7 @@ For every layer l (compiled as a check phase plus one reused layer step, see
 ``blend_prefill``):
 
 1. the layer's reused KV is read from its slots and its keys re-rotated to the actual
-   positions (``read_layer``), as one contiguous [T, K, d] array;
+   positions (``read_layer``), as one contiguous [T, h, d] array;
 2. the rows still being recomputed get fresh q/k/v from their own hidden states; at a check
    layer their deviation from the reused KV narrows the set (``selection.narrow``);
 3. the recomputed rows' K/V overwrite the reused ones in the layer's contiguous K/V (the
@@ -27,10 +27,8 @@ they share a step (steps 1 and 5 once per layer, the rows of one capacity throug
 as one batch, each variant over its own fused KV). Recomputing every row reproduces full recompute;
 recomputing only the suffix is full KV reuse.
 
-Shapes: B = variants of the prompt prefilled together, L = layers, T = padded prompt tokens, M = recomputed row capacity, K = kv heads,
-H = heads, d = head_dim, D = d_model, V = vocab, P = probe rows, pages_per_seq = block-table width,
-G = layer groups (one per attention window: each group has its own pages and block table; a
-windowed layer's rows attend only inside its window).
+Axis letters are ``kvjax/axes.py``'s. Each layer group (G, one per attention window) has its
+own pages and block table; a windowed layer's rows attend only inside its window.
 """
 
 from __future__ import annotations
@@ -88,11 +86,12 @@ class BlendInputs:
       deltas: [T] int32 actual minus stored position of each token.
       selectable: [T] bool chunk tokens (may be selected).
       forced: [T] bool suffix tokens (always recomputed).
-      rows: [M0] int32 tokens recomputed from layer 0; rows_valid: [M0] bool.
+      rows: [M] int32 tokens recomputed from layer 0 (M: the capacity before the first check);
+        rows_valid: [M] bool.
       counts: [num_checks] int32 rows kept after each check.
-      block_table: [G, pages_per_seq] int32 pages of the sequence in each layer group.
+      block_table: [G, p] int32 pages of the sequence in each layer group.
       length: [1] int32 prompt length.
-      probes: [P] int32 positions whose attention output is traced (-1 = none).
+      probes: [o] int32 positions whose attention output is traced (-1 = none).
       num_cached: [] int32 leading tokens whose KV the pages already hold (blocks matched by
         prefix reuse, possibly shared with other requests): their reused KV is not written
         and they must not be rows, so no shared page is ever written (0 = write all).
@@ -148,7 +147,7 @@ def blend_layer(
     Args:
       layer: layer index (static: RoPE base and window).
       rows: the rows entering the layer.
-      seq_k, seq_v: [T, K, d] reused KV of this layer at the actual positions (T a multiple
+      seq_k, seq_v: [T, h, d] reused KV of this layer at the actual positions (T a multiple
         of the page size).
       check: (capacity, count) to narrow the rows at this layer, or None.
       score: how the check scores rows (unused without a check).
@@ -195,7 +194,7 @@ def read_layer(k_pages: Pages, v_pages: Pages, inputs: BlendInputs, *, cfg: Mode
       k_pages, v_pages: the layer's pages (``PagePool.k[layer]``, ``.v[layer]``).
 
     Returns:
-      (k, v): [T, K, d] each (quantized pages dequantized).
+      (k, v): [T, h, d] each (quantized pages dequantized).
     """
     ids = inputs.page_ids[layout.layer_group[layer]]
     mask = inputs.reused[:, None, None]
@@ -208,9 +207,9 @@ def write_layer_fused(
     k_pages: Pages, v_pages: Pages, seq_k: jax.Array, seq_v: jax.Array, block_tables: jax.Array, inputs: BlendInputs, *,
     layout: CacheLayout, layer: int,
 ) -> tuple[Pages, Pages]:
-    """Writes one layer's fused KV of B variants of the prompt (seq_k, seq_v: [B, T, K, d])
-    into each variant's pages (block_tables: [B, G, pages_per_seq]), except the ``num_cached``
-    leading tokens (pages the tree already holds, possibly shared). Traceable.
+    """Writes one layer's fused KV of B variants of the prompt (seq_k, seq_v: [B, T, h, d])
+    into each variant's pages (block_tables: [B, G, p]), except the ``num_cached`` leading
+    tokens (pages the tree already holds, possibly shared). Traceable.
 
     The pages written (the requests' own, past ``num_cached``) are never slots ``read_layer``
     reads, so a layer can be written as soon as it is fused."""
@@ -222,12 +221,12 @@ def write_layer_fused(
 
 def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInputs) -> RowState:
     """Embeddings of the rows recomputed from layer 0."""
-    x = transformer.embed_tokens(params, cfg, inputs.tokens[inputs.rows][None])[0]  # [M0, D]
+    x = transformer.embed_tokens(params, cfg, inputs.tokens[inputs.rows][None])[0]  # [M, D]
     return RowState(idx=inputs.rows, valid=inputs.rows_valid, x=x)
 
 
 def last_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int) -> jax.Array:
-    """Logits [num, V] of the rows at the ``num`` highest valid positions, in position order."""
+    """Logits [num, v] of the rows at the ``num`` highest valid positions, in position order."""
     row_pos = jnp.where(rows.valid, positions[rows.idx], -1)
     _, top = jax.lax.top_k(row_pos, num)
     return jax.vmap(lambda x: transformer.logits_of(params, cfg, x))(rows.x[top[::-1]])
@@ -239,10 +238,10 @@ def _recomputed(inputs: BlendInputs, rows: RowState) -> jax.Array:
 
 
 def _probe_attention(inputs: BlendInputs, rows: RowState, out: jax.Array) -> jax.Array:
-    """Attention output [P, H*d] of one layer at the probe positions (zeros where not recomputed)."""
+    """Attention output [o, H*d] of one layer at the probe positions (zeros where not recomputed)."""
     row_pos = jnp.where(rows.valid, inputs.positions[rows.idx], -1)  # [M]
-    match = (inputs.probes[:, None] == row_pos[None, :]) & (inputs.probes[:, None] >= 0)  # [P, M]
-    return match.astype(out.dtype) @ out.reshape(out.shape[0], -1)  # [P, H*d]
+    match = (inputs.probes[:, None] == row_pos[None, :]) & (inputs.probes[:, None] >= 0)  # [o, M]
+    return match.astype(out.dtype) @ out.reshape(out.shape[0], -1)  # [o, H*d]
 
 
 @functools.partial(
@@ -268,9 +267,9 @@ def _check_phase(
 
     Returns:
       (rows, k_pages, v_pages, per-layer recomputed masks [T], per-layer probe attention
-      [P, H*d] (empty unless ``num_probes``), features [T, len(FEATURES)] of every token at the
-      first check layer (``selection.check_features``; zeros unless ``num_probes``), per-layer
-      fused (k, v) [T, K, d] (empty unless ``num_probes``)).
+      [o, H*d] (empty unless ``num_probes``), features [T, f] of every token at the first check
+      layer (``selection.check_features``; zeros unless ``num_probes``), per-layer fused (k, v)
+      [T, h, d] (empty unless ``num_probes``)).
     """
     check_at = {layer: (i, capacity) for i, (layer, capacity) in enumerate(checks)}
     rows = initial_rows(params, cfg, inputs)
@@ -289,7 +288,7 @@ def _check_phase(
             feats = check_features(
                 q[0], k[0], v[0], seq_k, seq_v, rows.idx, rows.valid, inputs.positions, inputs.deltas,
                 inputs.length[0], inputs.selectable, inputs.forced, cfg.sm_scale, score.query_rows,
-            )  # [M, F]
+            )  # [M, f]
             features = features.at[jnp.where(rows.valid, rows.idx, t)].set(feats, mode="drop")
         rows, seq_k, seq_v, out = blend_layer(
             params.layers[layer], cfg, layout, layer, rows, seq_k, seq_v, inputs, check, score, attn_impl,
@@ -333,11 +332,11 @@ def layer_step(
 
     Args:
       rows: the variants' rows, stacked: idx, valid [B, M], x [B, M, D].
-      block_tables: [B, G, pages_per_seq] int32 each variant's pages.
+      block_tables: [B, G, p] int32 each variant's pages.
 
     Returns:
       (rows [B, M], k_pages, v_pages, recomputed [B, T] bool, with ``num_probes`` (probe
-      attention [B, P, H*d], fused k, v [B, T, K, d]) else None).
+      attention [B, o, H*d], fused k, v [B, T, h, d]) else None).
     """
     seq_k, seq_v = read_layer(k_pages, v_pages, inputs, cfg=cfg, layout=layout, layer=layer)
 
@@ -363,7 +362,7 @@ initial_rows_jit = jax.jit(initial_rows, static_argnames=("cfg",))
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num"))
 def cohort_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int) -> jax.Array:
-    """``last_logits`` of B variants' stacked rows (idx, valid [B, M], x [B, M, D]): [B, num, V]."""
+    """``last_logits`` of B variants' stacked rows (idx, valid [B, M], x [B, M, D]): [B, num, v]."""
     return jax.vmap(lambda r: last_logits(params, cfg, r, positions, num))(rows)
 
 
@@ -432,11 +431,11 @@ class BlendResult:
     """What ``blend_prefill`` returns for one variant.
 
     Attributes:
-      logits: [plan.num_logits, V] float32 of the last prompt tokens.
-      recomputed: [L, T] bool, the rows each layer computed.
-      trace: with ``plan.num_probes > 0``: ``attn`` [L, P, H*d] (attention output of the
+      logits: [plan.num_logits, v] float32 of the last prompt tokens.
+      recomputed: [l, T] bool, the rows each layer computed.
+      trace: with ``plan.num_probes > 0``: ``attn`` [l, o, H*d] (attention output of the
         probe positions, zeros where a probe was not recomputed), ``recomputed``, the fused
-        KV ``k``, ``v`` [L, T, K, d] and the ``features`` [T, F] of every token at the first
+        KV ``k``, ``v`` [l, T, h, d] and the ``features`` [T, f] of every token at the first
         check layer (zeros without checks); else None.
     """
 

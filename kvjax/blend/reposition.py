@@ -8,7 +8,7 @@ at the new positions exactly (up to float error) at layer 0, where a key depends
 its token and position; deeper layers still differ by the missing cross-chunk attention,
 which is what selective recompute repairs.
 
-Shapes: T = tokens, K = kv heads, d = head_dim.
+Axis letters are ``kvjax/axes.py``'s.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ def reposition_keys(keys: jax.Array, deltas: jax.Array, theta: float, scaling: R
     """Rotates stored keys by per-token position deltas.
 
     Args:
-      keys: [..., T, K, d] keys rotated for their stored positions.
+      keys: [..., T, h, d] keys rotated for their stored positions.
       deltas: [..., T] int32, actual position - stored position of each token.
       theta: RoPE base of the keys' layer.
       scaling: RoPE scaling of the keys' layer (``ModelConfig.layer_rope_scaling``).
 
     Returns:
-      [..., T, K, d] keys as if computed at the actual positions.
+      [..., T, h, d] keys as if computed at the actual positions.
     """
     return apply_rope(keys, deltas, theta, scaling)
 
@@ -40,7 +40,7 @@ def reposition_layers(
     """``reposition_keys`` for every layer, each with its own RoPE base and scaling.
 
     Args:
-      keys: one [..., T, K, d] array per layer.
+      keys: one [..., T, h, d] array per layer.
       deltas: [..., T] int32 position deltas shared by all layers.
     """
     if len(keys) != cfg.num_layers:

@@ -1,6 +1,6 @@
 """Which tokens a blended prefill recomputes.
 
-Token roles in one blended prompt (T = padded token count)::
+Token roles in one blended prompt of T tokens (its padding included)::
 
     | prefix (system prompt) | chunk 0 | chunk 1 | ... | chunk n-1 | suffix (question) | pad |
       exact, never selected    selectable: reused KV, recompute candidates   always recomputed
@@ -32,6 +32,8 @@ Row counts are dynamic (arrays) while row capacities are static and bucketed, so
 similar size share one compiled prefill. ``plan`` is the one function that turns a
 ``SelectionConfig`` (selector name and recompute ratio included) into the ``Selection`` a
 blended prefill runs.
+
+Axis letters are ``kvjax/axes.py``'s.
 """
 
 from __future__ import annotations
@@ -205,8 +207,8 @@ class Selection:
     """A selector's decision, ready for the fusor.
 
     Attributes:
-      rows: [M0] int32 token indices recomputed from layer 0 (padding rows: any index).
-      rows_valid: [M0] bool.
+      rows: [M] int32 token indices recomputed from layer 0 (padding rows: any index).
+      rows_valid: [M] bool.
       checks: static (layer, row capacity) narrowing steps; empty = fixed set.
       counts: [len(checks)] int32 rows kept after each check (suffix included).
       score: how the checks score rows.
@@ -295,8 +297,8 @@ def select_oracle(roles: Roles, ratio: float, true_deviation: np.ndarray, row_bu
     """The tokens with the highest true deviation (known only after a full recompute).
 
     Args:
-      true_deviation: [num_layers, num_tokens] deviation of the reused KV from the full
-        recompute KV; each layer is normalised by its mean over chunk tokens, then summed.
+      true_deviation: [l, T] deviation of the reused KV from the full recompute KV; each
+        layer is normalised by its mean over chunk tokens, then summed.
     """
     selectable, _ = roles.masks(true_deviation.shape[1])
     dev = true_deviation[:, selectable]
@@ -359,11 +361,11 @@ def plan(
     Args:
       roles: token roles; its chunk spans are the tokens with stored KV.
       padded: padded token count T.
-      forced: [F] int32 tokens recomputed in every layer besides the suffix (chunk tokens
+      forced: 1-D int32 tokens recomputed in every layer besides the suffix (chunk tokens
         without stored KV, prefix tokens not cached).
       num_cached: leading tokens whose KV the pages already hold.
       exact_len: tokens whose reused KV is exact (the "prefix" selector recomputes the rest).
-      scores: [L, T] true deviation (the "oracle" selector only).
+      scores: [l, T] true deviation (the "oracle" selector only).
     """
     name, ratio, row_bucket = config.selector, config.recompute_ratio, config.row_bucket
     if name in _SCHEDULE_SCORES:
@@ -427,10 +429,10 @@ def token_deviation(
     """Squared L2 deviation per token, summed over KV heads and head_dim.
 
     Args:
-      k_new, v_new, k_old, v_old: [T, K, d].
+      k_new, v_new, k_old, v_old: [..., h, d].
 
     Returns:
-      [T] float32.
+      [...] float32.
     """
     dk = jnp.sum(jnp.square((k_new - k_old).astype(jnp.float32)), axis=(-2, -1))
     dv = jnp.sum(jnp.square((v_new - v_old).astype(jnp.float32)), axis=(-2, -1))
@@ -447,10 +449,10 @@ def narrow(
       forced: [M] rows always kept (the suffix).
       eligible: [M] rows that may be kept at all (valid chunk or suffix rows).
       count: [] int32 rows to keep.
-      capacity: static number of output slots (>= count).
+      capacity: static number of output slots (>= count): the M of the layers after the check.
 
     Returns:
-      (picked [capacity] int32 indices into the M rows, valid [capacity] bool).
+      (picked [capacity] int32 indices into the current rows, valid [capacity] bool).
     """
     score = jnp.where(forced, jnp.inf, jnp.where(eligible, deviation, -jnp.inf))
     top, picked = jax.lax.top_k(score, capacity)
@@ -459,8 +461,8 @@ def narrow(
 
 
 def scorer_hidden(num_params: int) -> int | None:
-    """Hidden units h of a flat learned-scorer parameter vector of ``num_params`` values
-    (``h * (len(FEATURES) + 2) + 1``), or None if no h >= 1 fits."""
+    """Hidden units z of a flat learned-scorer parameter vector of ``num_params`` values
+    (``z * (f + 2) + 1``, f = ``len(FEATURES)``), or None if no z >= 1 fits."""
     h, rest = divmod(num_params - 1, len(FEATURES) + 2)
     return h if h >= 1 and rest == 0 else None
 
@@ -469,8 +471,8 @@ def mlp_score(weights: jax.Array | tuple[float, ...], features: jax.Array) -> ja
     """The learned scorer: ``relu(features @ w1 + b1) @ w2 + b2``.
 
     Args:
-      weights: flat parameters [h * (F + 2) + 1]: w1 [F, h] row-major, b1 [h], w2 [h], b2 [].
-      features: [..., F] float32 (``FEATURES``).
+      weights: flat parameters [z * (f + 2) + 1]: w1 [f, z] row-major, b1 [z], w2 [z], b2 [].
+      features: [..., f] float32 (``FEATURES``).
 
     Returns:
       [...] float32 logit of "recompute this token".
@@ -492,9 +494,9 @@ def received_attention(
     rows and all heads; each row's softmax over keys at positions <= its own).
 
     Args:
-      q: [M, H, d] queries of the current rows (H a multiple of K).
+      q: [M, H, d] queries of the current rows.
       query_pos: [M] int32 position of each row that may attend (the suffix), -1 otherwise.
-      keys: [T, K, d] keys of every token at its actual position.
+      keys: [T, h, d] keys of every token at its actual position.
       key_pos: [T] int32 positions, -1 = padding.
 
     Returns:
@@ -504,9 +506,9 @@ def received_attention(
     m, h, d = q.shape
     k = keys.shape[1]
     qpos, pick = jax.lax.top_k(query_pos, min(query_rows, m))  # the last suffix rows
-    qs = q[pick].reshape(len(pick), k, h // k, d).astype(jnp.float32)  # [Q, K, G, d]
-    logits = jnp.einsum("qkgd,tkd->qkgt", qs, keys.astype(jnp.float32)) * sm_scale  # [Q, K, G, T]
-    visible = (key_pos[None, :] >= 0) & (key_pos[None, :] <= qpos[:, None]) & (qpos[:, None] >= 0)  # [Q, T]
+    qs = q[pick].reshape(len(pick), k, h // k, d).astype(jnp.float32)  # [q, h, g, d]: the attending rows
+    logits = jnp.einsum("qhgd,Thd->qhgT", qs, keys.astype(jnp.float32)) * sm_scale  # [q, h, g, T]
+    visible = (key_pos[None, :] >= 0) & (key_pos[None, :] <= qpos[:, None]) & (qpos[:, None] >= 0)  # [q, T]
     logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
     probs = jnp.where(visible[:, None, None], jax.nn.softmax(logits, axis=-1), 0.0)
     return probs.sum(axis=(0, 1, 2))
@@ -525,14 +527,14 @@ def check_features(
     layer's keys with the rows' fresh keys in place of the reused ones.
 
     Args:
-      q: [M, H, d] fresh queries; k_new, v_new: [M, K, d] fresh K/V of the rows.
-      seq_k, seq_v: [T, K, d] reused K/V of the layer at the actual positions.
+      q: [M, H, d] fresh queries; k_new, v_new: [M, h, d] fresh K/V of the rows.
+      seq_k, seq_v: [T, h, d] reused K/V of the layer at the actual positions.
       idx, valid: [M] token index and validity of each row.
       positions: [T] int32 (-1 = padding); deltas: [T] actual minus stored position.
       length: [] int32 prompt length; selectable, forced: [T] bool roles.
 
     Returns:
-      [M, len(FEATURES)] float32.
+      [M, f] float32.
     """
     t = seq_k.shape[0]
     row_pos = jnp.where(valid, positions[idx], -1)

@@ -7,8 +7,8 @@ was computed (take) and copied back into a new sequence's live slot to resume it
 Which slot holds what is host bookkeeping (``kvjax.manager.state_snapshots``); the ops here
 are pure functions over the pool array.
 
-Shapes: R = recurrent layers, num_slots = slots (the null slot included), S = rows,
-H = heads, d = head_dim. The pool is [R, num_slots, H, d, d] float32.
+Axis letters are ``kvjax/axes.py``'s; ``num_slots`` counts the pool's slots (the null slot
+included). The pool is [R, num_slots, H, d, d] float32.
 """
 
 from __future__ import annotations
@@ -47,24 +47,25 @@ def init_state_pool(num_recurrent_layers: int, num_slots: int, num_heads: int, h
 
 @jax.jit
 def read_slots(pool: jax.Array, slots: jax.Array) -> jax.Array:
-    """The states of ``slots`` [S] int32: [R, S, H, d, d]."""
+    """The states of ``slots`` [s] int32: [R, s, H, d, d]."""
     return pool[:, slots]
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def write_slots(pool: jax.Array, slots: jax.Array, state: jax.Array) -> jax.Array:
-    """Writes ``state`` [R, S, H, d, d] into ``slots`` [S] (rows on ``NULL_SLOT`` are padding)."""
+    """Writes ``state`` [R, s, H, d, d] into ``slots`` [s] (rows on ``NULL_SLOT`` are padding)."""
     return pool.at[:, slots].set(state)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def copy_slots(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """Copies slot ``src[i]`` to ``dst[i]`` for each i ([n] int32; pairs NULL_SLOT -> NULL_SLOT
-    are padding). Taking a snapshot copies live -> snapshot, restoring snapshot -> live."""
+    """Copies slot ``src[i]`` to ``dst[i]`` for each i (int32 arrays of one length; pairs
+    NULL_SLOT -> NULL_SLOT are padding). Taking a snapshot copies live -> snapshot,
+    restoring snapshot -> live."""
     return pool.at[:, dst].set(pool[:, src])
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def zero_slots(pool: jax.Array, slots: jax.Array) -> jax.Array:
-    """Resets ``slots`` [n] to the zero state of a sequence that has seen no token."""
+    """Resets ``slots`` (int32) to the zero state of a sequence that has seen no token."""
     return pool.at[:, slots].set(0.0)

@@ -7,12 +7,11 @@ decode loop with no host round trip (``kvjax.decode``). The host only hashes: it
 each full block's 64-bit index key from the BLAKE3 block key it already computes
 (``index_key``).
 
-Glossary:
-  num_pages     pages of the group's pool, the null page (``NULL_PAGE``) included
-  max_seqs      block-table rows (sequence slots)
-  max_blocks    block-table width (pages_per_seq)
-  index_slots   slots of the open-addressing block index (a power of two >= 2 num_pages)
-  tokens_per_block     tokens per page and block
+Axis names are ``kvjax/axes.py``'s: ``num_pages`` (the group's pool, the null page
+``NULL_PAGE`` included), ``max_seqs`` (block-table rows, the sequence slots),
+``pages_per_seq`` (block-table width; ``PageState.max_blocks`` holds it) and
+``tokens_per_block`` (tokens per page and block). Besides them, ``index_slots`` counts the
+slots of the open-addressing block index (a power of two >= 2 num_pages).
 
 Life of a page (the null page is never handed out)::
 
@@ -66,7 +65,7 @@ class PageState:
       indexed: [num_pages] bool, the page holds a block present in the index.
       index_slot: [num_pages] the index slot naming the page (-1 where not indexed).
       index: [index_slots] page id per slot, ``EMPTY`` or ``TOMBSTONE``.
-      block_tables: [max_seqs, max_blocks] page of each block of each row (``NULL_PAGE`` past
+      block_tables: [max_seqs, pages_per_seq] page of each block of each row (``NULL_PAGE`` past
         ``num_blocks``).
       num_blocks: [max_seqs] pages held by each row.
       seq_lens: [max_seqs] tokens each row has cache slots for.
@@ -98,6 +97,7 @@ class PageState:
 
     @property
     def max_blocks(self) -> int:
+        """pages_per_seq, the block-table width."""
         return self.block_tables.shape[1]
 
 
@@ -183,11 +183,12 @@ def match_prefix(state: PageState, hi: jax.Array, lo: jax.Array, num_keys: jax.A
     """Longest run of leading blocks found in the index.
 
     Args:
-      hi, lo: [B] uint32 index keys of a prompt's full blocks, in order.
+      hi, lo: [width] uint32 index keys of a prompt's full blocks, in order (``index_keys``;
+        the manager pads them to pages_per_seq).
       num_keys: [] how many of them are real (the rest is padding).
 
     Returns:
-      (num_matched [], pages [B]: the matched blocks' pages, -1 past the run).
+      (num_matched [], pages [width]: the matched blocks' pages, -1 past the run).
     """
     pages = jax.vmap(lambda h, l: lookup(state, h, l))(hi, lo)
     hit = (pages >= 0) & (jnp.arange(pages.shape[0]) < num_keys)
@@ -220,12 +221,13 @@ def evict_lru(state: PageState, count: jax.Array) -> PageState:
 
 
 def take_pages(state: PageState, need: jax.Array) -> tuple[PageState, jax.Array, jax.Array]:
-    """One page for each True entry of ``need`` [N] bool, from the free stack, evicting LRU
-    pages when the stack runs short. The pages get reference count 1.
+    """One page for each True entry of ``need`` (1-D bool: a row's [pages_per_seq] blocks or
+    the [max_seqs] rows), from the free stack, evicting LRU pages when the stack runs short.
+    The pages get reference count 1.
 
     Returns:
-      (state, pages [N]: ``NULL_PAGE`` where not needed, ok []: enough pages were available;
-      when False the returned state must be discarded).
+      (state, pages shaped like ``need``: ``NULL_PAGE`` where not needed, ok []: enough pages
+      were available; when False the returned state must be discarded).
     """
     m = jnp.sum(need, dtype=jnp.int32)
     ok = m <= num_available(state)
@@ -241,7 +243,7 @@ def take_pages(state: PageState, need: jax.Array) -> tuple[PageState, jax.Array,
 
 @jax.jit
 def allocate(state: PageState, row: jax.Array, num_tokens: jax.Array) -> tuple[PageState, jax.Array]:
-    """Grows ``row`` to cache slots for its first ``num_tokens`` tokens (<= max_blocks pages).
+    """Grows ``row`` to cache slots for its first ``num_tokens`` tokens (<= pages_per_seq pages).
 
     Returns:
       (state, ok []): unchanged state and False when the pool lacks the pages.
@@ -302,9 +304,9 @@ def commit_blocks(
     """Enters full blocks into the index, in order.
 
     Args:
-      rows, blocks: [C] block ``blocks[i]`` of row ``rows[i]``, whose page holds its tokens.
-      hi, lo: [C] uint32 index keys of those blocks.
-      valid: [C] bool; False entries are padding.
+      rows, blocks: [width] block ``blocks[i]`` of row ``rows[i]``, whose page holds its tokens.
+      hi, lo: [width] uint32 index keys of those blocks (``index_keys``).
+      valid: [width] bool; False entries are padding.
 
     A block whose key is already indexed (an identical block in another page), or whose page
     is already indexed, is skipped.
@@ -320,8 +322,8 @@ def commit_blocks(
 
 @jax.jit
 def acquire_prefix(state: PageState, row: jax.Array, pages: jax.Array, num_matched: jax.Array) -> PageState:
-    """Points an empty ``row`` at the first ``num_matched`` of ``pages`` [B] (from
-    ``match_prefix``; B <= max_blocks), taking a reference on each."""
+    """Points an empty ``row`` at the first ``num_matched`` of ``pages`` [width] (from
+    ``match_prefix``; width <= pages_per_seq), taking a reference on each."""
     j = jnp.arange(pages.shape[0])
     take = j < num_matched
     table = state.block_tables[row].at[j].set(jnp.where(take, pages, NULL_PAGE))

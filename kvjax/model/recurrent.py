@@ -11,13 +11,14 @@ with q, k, v per head projected from the normed residual stream (k scaled by d^-
 RoPE, no q/k norm). The state is the only memory of the layer: there is no KV cache, and a
 sequence resumes exactly from any saved state.
 
-Prefill rows run the chunked form: inside a chunk of C tokens the outputs are a masked,
+Prefill rows run the chunked form: inside a chunk of c tokens the outputs are a masked,
 decay-weighted attention over the chunk plus the contribution of the state entering it; a
 ``lax.scan`` carries the state from chunk to chunk. A decode step is the one-step recurrence
 (a chunk of one token). Both compute in float32.
 
-Shapes: S = sequences, T = step tokens, C = chunk tokens, N = chunks, H = heads,
-d = head_dim (keys and values alike).
+Axis letters are ``kvjax/axes.py``'s (the heads are H, of width d for keys and values
+alike); the chunked form's einsums name a chunk's query and key tokens t and u and the value
+width e.
 """
 
 from __future__ import annotations
@@ -43,21 +44,21 @@ def projections(
     """Queries, keys, values and log decays of one recurrent layer, padding neutralised.
 
     Args:
-      h: [S, T, D] normed residual stream.
+      h: [s, q, D] normed residual stream.
       wq, wk, wv: [D, H*d]; decay_w: [D, H]; decay_bias: [H].
-      positions: [S, T] (negative = padding: its decay is 1 and its key 0, so it leaves the
+      positions: [s, q] (negative = padding: its decay is 1 and its key 0, so it leaves the
         state unchanged).
 
     Returns:
-      q, k, v [S, T, H, d] float32 and log_a [S, T, H] float32 (<= 0).
+      q, k, v [s, q, H, d] float32 and log_a [s, q, H] float32 (<= 0).
     """
     s, t, _ = h.shape
     hf = h.astype(jnp.float32)
     q = (hf @ wq.astype(jnp.float32)).reshape(s, t, num_heads, head_dim)
     k = (hf @ wk.astype(jnp.float32)).reshape(s, t, num_heads, head_dim) * head_dim**-0.5
     v = (hf @ wv.astype(jnp.float32)).reshape(s, t, num_heads, head_dim)
-    log_a = -jax.nn.softplus(hf @ decay_w.astype(jnp.float32) + decay_bias.astype(jnp.float32))  # [S, T, H]
-    valid = positions >= 0  # [S, T]
+    log_a = -jax.nn.softplus(hf @ decay_w.astype(jnp.float32) + decay_bias.astype(jnp.float32))  # [s, q, H]
+    valid = positions >= 0  # [s, q]
     log_a = jnp.where(valid[..., None], log_a, 0.0)
     k = jnp.where(valid[..., None, None], k, 0.0)
     return q, k, v, log_a
@@ -66,17 +67,17 @@ def projections(
 def _chunk(
     state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, log_a: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """One chunk: state [S, H, d, d], q/k/v [S, C, H, d], log_a [S, C, H] -> (state, o [S, C, H, d])."""
+    """One chunk: state [s, H, d, d], q/k/v [s, c, H, d], log_a [s, c, H] -> (state, o [s, c, H, d])."""
     c = q.shape[1]
-    b = jnp.cumsum(log_a, axis=1)  # [S, C, H], log of the decay from the chunk start to t
-    bh = jnp.moveaxis(b, 1, 2)  # [S, H, C]
-    causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]  # [C(t), C(u)]
-    gap = jnp.where(causal, bh[..., :, None] - bh[..., None, :], -jnp.inf)  # [S, H, C, C]
+    b = jnp.cumsum(log_a, axis=1)  # [s, c, H], log of the decay from the chunk start to t
+    bh = jnp.moveaxis(b, 1, 2)  # [s, H, c]
+    causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]  # [c, c]: query token t, key token u
+    gap = jnp.where(causal, bh[..., :, None] - bh[..., None, :], -jnp.inf)  # [s, H, c, c]
     scores = jnp.einsum("sthd,suhd->shtu", q, k) * jnp.exp(gap)
     o = jnp.einsum("shtu,suhe->sthe", scores, v)
     o = o + jnp.einsum("sthd,shde->sthe", q * jnp.exp(b)[..., None], state)
-    last = b[:, -1]  # [S, H]
-    carried = k * jnp.exp(last[:, None] - b)[..., None]  # [S, C, H, d]
+    last = b[:, -1]  # [s, H]
+    carried = k * jnp.exp(last[:, None] - b)[..., None]  # [s, c, H, d]
     state = jnp.exp(last)[..., None, None] * state + jnp.einsum("suhd,suhe->shde", carried, v)
     return state, o
 
@@ -87,11 +88,11 @@ def scan(
     """The recurrence over a step's tokens in chunks of ``CHUNK``.
 
     Args:
-      state: [S, H, d, d] float32 entering the step.
-      q, k, v: [S, T, H, d] float32; log_a: [S, T, H] float32.
+      state: [s, H, d, d] float32 entering the step.
+      q, k, v: [s, q, H, d] float32; log_a: [s, q, H] float32.
 
     Returns:
-      (state after the step [S, H, d, d], outputs [S, T, H, d]).
+      (state after the step [s, H, d, d], outputs [s, q, H, d]).
     """
     s, t, h, d = q.shape
     if t <= CHUNK:
@@ -101,9 +102,9 @@ def scan(
     q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     log_a = jnp.pad(log_a, ((0, 0), (0, pad), (0, 0)))
 
-    def chunks(x: jax.Array) -> jax.Array:  # [S, N*C, ...] -> [N, S, C, ...]
+    def chunks(x: jax.Array) -> jax.Array:  # [s, n*c, ...] -> [n, s, c, ...]
         return jnp.moveaxis(x.reshape(s, n, CHUNK, *x.shape[2:]), 1, 0)
 
     state, o = jax.lax.scan(lambda st, xs: _chunk(st, *xs), state, (chunks(q), chunks(k), chunks(v), chunks(log_a)))
-    o = jnp.moveaxis(o, 0, 1).reshape(s, n * CHUNK, h, d)  # [S, N*C, H, d]
+    o = jnp.moveaxis(o, 0, 1).reshape(s, n * CHUNK, h, d)  # [s, n*c, H, d]
     return state, o[:, :t]

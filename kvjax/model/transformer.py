@@ -14,10 +14,9 @@ shape several times faster (``forward_for`` picks one, ``COMPILE_UNITS``).
 
 A hybrid model (``cfg.layer_types`` with "recurrent" layers) runs its recurrent layers
 through ``kvjax.model.recurrent`` instead of attention: they read and write no pages, and
-their per-sequence state [R, S, H, d, d] is an explicit input and output of ``forward``.
+their per-sequence state [R, s, H, d, d] is an explicit input and output of ``forward``.
 
-Shapes: S = sequences, T = query tokens per sequence, D = d_model, H = heads,
-K = kv heads, d = head_dim, F = ffn_dim, V = vocab, R = recurrent layers.
+Axis letters are ``kvjax/axes.py``'s.
 """
 
 from __future__ import annotations
@@ -51,16 +50,16 @@ class LayerParams:
 
     attn_norm: jax.Array  # [D]
     wq: jax.Array  # [D, H*d]
-    wk: jax.Array  # [D, K*d]
-    wv: jax.Array  # [D, K*d]
+    wk: jax.Array  # [D, h*d]
+    wv: jax.Array  # [D, h*d]
     wo: jax.Array  # [H*d, D]
     ffn_norm: jax.Array  # [D]
     w_gate: jax.Array  # [D, F]
     w_up: jax.Array  # [D, F]
     w_down: jax.Array  # [F, D]
     bq: jax.Array | None = None  # [H*d], attention bias (Qwen2)
-    bk: jax.Array | None = None  # [K*d]
-    bv: jax.Array | None = None  # [K*d]
+    bk: jax.Array | None = None  # [h*d]
+    bv: jax.Array | None = None  # [h*d]
     q_norm: jax.Array | None = None  # [d]
     k_norm: jax.Array | None = None  # [d]
     post_attn_norm: jax.Array | None = None  # [D]
@@ -72,10 +71,10 @@ class LayerParams:
 
 @flax.struct.dataclass
 class Params:
-    embed: jax.Array  # [V, D], also the output projection unless lm_head is given
+    embed: jax.Array  # [v, D], also the output projection unless lm_head is given
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None = None  # [V, D], an untied output projection
+    lm_head: jax.Array | None = None  # [v, D], an untied output projection
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -89,7 +88,7 @@ CONV_MAX_ROWS = 32
 
 
 def _as_convolution(x: jax.Array) -> bool:
-    """Whether the rows of ``x`` [..., K] are few enough, on CPU, for the convolution form.
+    """Whether the rows of ``x`` (its leading axes) are few enough, on CPU, for the convolution form.
 
     XLA:CPU's dot is slow at few rows; the same product written as a width-1 convolution is
     rewritten by XLA into a dot of another operand order that streams the weight faster
@@ -100,27 +99,28 @@ def _as_convolution(x: jax.Array) -> bool:
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w``: activations [..., K] times a weight [K, N] -> [..., N] in x's dtype."""
+    """``x @ w``: activations [..., n_in] times a weight [n_in, n_out] -> [..., n_out] in x's dtype
+    (n_in, n_out: the projection's widths, e.g. D and F)."""
     if not _as_convolution(x):
         return x @ w
-    rows = x.reshape(1, -1, x.shape[-1])  # [1, rows, K]: the rows as the convolution's width
+    rows = x.reshape(1, -1, x.shape[-1])  # x's rows, flattened, as the convolution's width
     out = jax.lax.conv_general_dilated(rows, w[None], (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"))
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def unembed(h: jax.Array, embed: jax.Array) -> jax.Array:
-    """The output projection: ``h`` [..., D] times ``embed`` [V, D] transposed -> [..., V] float32."""
+    """The output projection: ``h`` [..., D] times ``embed`` [v, D] transposed -> [..., v] float32."""
     if not _as_convolution(h):
         return jnp.einsum("...d,vd->...v", h, embed, preferred_element_type=jnp.float32)
-    kernel = h.reshape(-1, h.shape[-1]).T[None]  # [1, D, rows]: the rows as output channels
+    kernel = h.reshape(-1, h.shape[-1]).T[None]  # [1, D, ...]: h's rows, flattened, as output channels
     out = jax.lax.conv_general_dilated(
         embed[None], kernel, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"), preferred_element_type=jnp.float32
-    )  # [1, V, rows]
+    )  # [1, v, ...]
     return out[0].T.reshape(*h.shape[:-1], embed.shape[0])
 
 
 def embed_tokens(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """[S, T] int32 -> [S, T, D]."""
+    """[s, q] int32 -> [s, q, D]."""
     x = params.embed[tokens]
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.d_model**0.5, x.dtype)
@@ -135,11 +135,11 @@ def qkv(
     Args:
       lp: this layer's weights.
       layer: layer index (static; selects the RoPE base).
-      x: [S, T, D] residual stream entering the layer.
-      positions: [S, T] absolute positions.
+      x: [s, q, D] residual stream entering the layer.
+      positions: [s, q] absolute positions.
 
     Returns:
-      q [S, T, H, d], k [S, T, K, d], v [S, T, K, d].
+      q [s, q, H, d], k [s, q, h, d], v [s, q, h, d].
     """
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
     q, k, v = (
@@ -160,11 +160,11 @@ def finish_layer(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Arra
     """Output projection, residual, MLP, residual.
 
     Args:
-      x: [S, T, D] residual stream entering the layer.
-      attn: [S, T, H, d] attention output.
+      x: [s, q, D] residual stream entering the layer.
+      attn: [s, q, H, d] attention output.
 
     Returns:
-      [S, T, D] residual stream leaving the layer.
+      [s, q, D] residual stream leaving the layer.
     """
     o = linear(attn.reshape(*attn.shape[:2], cfg.num_heads * cfg.head_dim), lp.wo)
     if cfg.sandwich_norm:
@@ -180,7 +180,7 @@ def finish_layer(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Arra
 
 
 def logits_of(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final norm and output projection (``lm_head``, else the tied embedding): [..., D] -> [..., V] float32."""
+    """Final norm and output projection (``lm_head``, else the tied embedding): [..., D] -> [..., v] float32."""
     h = rms_norm(x, params.final_norm, cfg.rms_eps)
     return unembed(h, params.embed if params.lm_head is None else params.lm_head)
 
@@ -201,19 +201,19 @@ def attend_layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: write this step's K/V into the layer's pages, attend, MLP.
 
-    A one-token step (T = 1) is a decode step and runs the paged decode attention, whose
+    A one-token step (q = 1) is a decode step and runs the paged decode attention, whose
     query sits at ``lengths - 1``; longer steps run partial attention at ``positions``.
 
     Args:
       layer: layer index (static: window, RoPE base).
-      pool_k, pool_v: [num_pages, tokens_per_block, K, d] of this layer.
-      x: [S, T, D]; positions: [S, T] (negative = padding).
-      block_table: [S, pages_per_seq] of the layer's group; lengths: [S] KV lengths after the write.
+      pool_k, pool_v: [P, t, h, d] of this layer.
+      x: [s, q, D]; positions: [s, q] (negative = padding).
+      block_table: [s, p] of the layer's group; lengths: [s] KV lengths after the write.
       mesh: the device mesh the pool is sharded over (attention then runs per device, see
         ``kvjax.attention``); None = one device or GSPMD.
 
     Returns:
-      (x leaving the layer [S, T, D], pool_k, pool_v).
+      (x leaving the layer [s, q, D], pool_k, pool_v).
     """
     q, k, v = qkv(lp, cfg, layer, x, positions)
     page_ids, offsets = slot_mapping(block_table, positions, layout.tokens_per_block)
@@ -233,18 +233,18 @@ def recurrent_layer(
     """One recurrent decoder layer: gated linear attention over the state, MLP.
 
     Args:
-      x: [S, T, D]; positions: [S, T] (negative = padding, which leaves the state unchanged).
-      state: [S, H, d, d] float32, the layer's state before the step's first token.
+      x: [s, q, D]; positions: [s, q] (negative = padding, which leaves the state unchanged).
+      state: [s, H, d, d] float32, the layer's state before the step's first token.
 
     Returns:
-      (x leaving the layer [S, T, D], state after the step's last valid token [S, H, d, d]).
+      (x leaving the layer [s, q, D], state after the step's last valid token [s, H, d, d]).
     """
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
     q, k, v, log_a = recurrent.projections(
         h, lp.wq, lp.wk, lp.wv, lp.decay_w, lp.decay_bias, positions, cfg.num_heads, cfg.head_dim
     )
     state, o = recurrent.scan(state, q, k, v, log_a)
-    o = rms_norm(o, lp.state_norm, cfg.rms_eps).astype(x.dtype)  # [S, T, H, d]
+    o = rms_norm(o, lp.state_norm, cfg.rms_eps).astype(x.dtype)  # [s, q, H, d]
     return finish_layer(lp, cfg, x, o), state
 
 
@@ -274,18 +274,18 @@ def forward(
     Args:
       params: model weights.
       pool: the page pool (donated; the updated pool is returned).
-      tokens: [S, T] int32 token ids (padding rows: any id).
-      positions: [S, T] int32 absolute positions, increasing within a row; -1 = padding.
-      block_tables: one [S, pages_per_seq] int32 table per layer group.
-      lengths: [S] int32 KV length of each sequence after this step.
-      logits_mode: "last" -> [S, V] at each row's last valid token; "all" -> [S, T, V];
+      tokens: [s, q] int32 token ids (padding rows: any id).
+      positions: [s, q] int32 absolute positions, increasing within a row; -1 = padding.
+      block_tables: one [s, p] int32 table per layer group.
+      lengths: [s] int32 KV length of each sequence after this step.
+      logits_mode: "last" -> [s, v] at each row's last valid token; "all" -> [s, q, v];
         "none" -> None (prefill of a chunk that is not the last).
       mesh: the mesh ``pool`` is sharded over (``kvjax.distributed``): attention runs per
         device under ``shard_map``; None = unsharded.
       exit_layer: early exit (self-speculative drafting): run only layers ``[0, exit_layer)``,
         write K/V of those layers only, and apply the final norm and LM head to their output.
         None = every layer.
-      state: hybrid models only (required there, else None): [R, S, H, d, d] float32, each
+      state: hybrid models only (required there, else None): [R, s, H, d, d] float32, each
         row's recurrent state before its first token this step (donated). Each row's tokens
         must continue its state: the first valid position is the number of tokens the state
         has seen.
@@ -350,14 +350,14 @@ def _check_state(cfg: ModelConfig, state: jax.Array | None) -> None:
 
 
 def output_logits(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array, logits_mode: LogitsMode) -> jax.Array | None:
-    """The step's logits from the last layer's output ``x`` [S, T, D] (``forward``'s ``logits_mode``):
-    [S, V] at each row's last valid position (``positions`` [S, T], -1 = padding), [S, T, V], or None."""
+    """The step's logits from the last layer's output ``x`` [s, q, D] (``forward``'s ``logits_mode``):
+    [s, v] at each row's last valid position (``positions`` [s, q], -1 = padding), [s, q, v], or None."""
     if logits_mode == "none":
         return None
     if logits_mode == "all":
         return logits_of(params, cfg, x)
-    last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)  # [S]
-    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [S, D]
+    last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)  # [s]
+    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [s, D]
     return logits_of(params, cfg, x_last)
 
 

@@ -3,20 +3,20 @@
 Neither model here has a smaller sibling sharing its vocabulary, so no drafter needs a
 second model:
 
-* ``NgramDrafter`` (prompt lookup): the k tokens that followed the most recent earlier
+* ``NgramDrafter`` (prompt lookup): the tokens that followed the most recent earlier
   occurrence of the context's last n tokens, longest n first. Free to compute on the host;
   drafts well where the answer copies its context (RAG, code edits, summaries).
 * ``EarlyExitDrafter`` (self-speculation, LayerSkip-style without training): the model's
-  first m layers and its LM head, run k times one token at a time over the *same* paged
-  cache. Layer l < m of the model computes the same K/V at a position whether it runs as
-  part of the full model or of the m-layer drafter, so the drafter reads the full model's
+  first m layers and its LM head, run once per draft token over the *same* paged cache.
+  Layer l < m of the model computes the same K/V at a position whether it runs as part of
+  the full model or of the m-layer drafter, so the drafter reads the full model's
   cached K/V of those layers for the whole prefix (reused blocks included) and needs no
   cache of its own. It writes layers < m of the draft positions only; the verification
   forward rewrites every layer of those positions before any of them is committed, so the
   drafter's partial-layer K/V never reaches a block another request can match.
 
-Both implement ``Drafter.propose``. Shapes: S = sequences (padded to a bucket), k = drafts
-per sequence, V = vocab.
+Both implement ``Drafter.propose``. Axis letters are ``kvjax/axes.py``'s (s: the rows,
+padded to a bucket; a: the drafts per row).
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ class Drafts:
     """A batch of proposals.
 
     Attributes:
-      tokens: [S, k] int32 drafts (entries past ``num_drafts`` are padding).
-      num_drafts: [S] int32 drafts proposed per row, <= its ``max_drafts``.
-      probs: [S, k, V] float32 distribution each draft was drawn from; None = point masses.
+      tokens: [s, a] int32 drafts (entries past ``num_drafts`` are padding).
+      num_drafts: [s] int32 drafts proposed per row, <= its ``max_drafts``.
+      probs: [s, a, v] float32 distribution each draft was drawn from; None = point masses.
     """
 
     tokens: np.ndarray
@@ -86,12 +86,12 @@ class Drafter(abc.ABC):
 
         Args:
           rows: the sequences, in batch order.
-          num_rows: padded batch size S >= len(rows).
+          num_rows: padded batch size s >= len(rows).
           pool: the page pool (donated by drafters that write it; the new pool is returned).
-          block_tables: one [S, pages_per_seq] table per layer group, covering the draft slots.
+          block_tables: one [s, p] table per layer group, covering the draft slots.
 
         Returns:
-          (drafts with k = max(max_drafts), the pool).
+          (drafts with a = max(max_drafts), the pool).
         """
 
 
@@ -137,8 +137,8 @@ class NgramDrafter(Drafter):
 def _draw(
     logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seeds: jax.Array, index: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """A draft per row from the early-exit logits [S, V]: argmax for greedy rows, else drawn
-    from q = ``probabilities`` (stream DRAFT_STREAM). Returns (tokens [S] int32, q [S, V])."""
+    """A draft per row from the early-exit logits [s, v]: argmax for greedy rows, else drawn
+    from q = ``probabilities`` (stream DRAFT_STREAM). Returns (tokens [s] int32, q [s, v])."""
     q = probabilities(logits, temperature, top_p)
     keys = jax.vmap(lambda seed, i: token_key(seed, i, DRAFT_STREAM))(seeds, index)
     drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
@@ -180,12 +180,12 @@ class EarlyExitDrafter(Drafter):
         temperature, top_p, seeds = jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds)
         current = np.zeros((num_rows, 1), np.int32)
         current[:n, 0] = [r.context[-1] for r in rows]
-        inputs = jnp.asarray(current)  # [S, 1]: the token whose successor is drafted
+        inputs = jnp.asarray(current)  # [s, 1]: the token whose successor is drafted
         drafted, dists = [], []
         for i in range(k):
             live = i < max_drafts
-            positions = np.where(live, start + i, -1).astype(np.int32)[:, None]  # [S, 1]
-            lengths = np.where(live, start + i + 1, 0).astype(np.int32)  # [S]
+            positions = np.where(live, start + i, -1).astype(np.int32)[:, None]  # [s, 1]
+            lengths = np.where(live, start + i + 1, 0).astype(np.int32)  # [s]
             logits, pool = forward(
                 self.params, pool, inputs, jnp.asarray(positions), block_tables, jnp.asarray(lengths),
                 cfg=self.cfg, layout=self.layout, logits_mode="last", attn_impl=self.attn_impl,
