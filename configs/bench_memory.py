@@ -56,7 +56,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.offload.prompt_tokens = 128  # tokens per prompt (4 blocks of 32)
     config.offload.tokens_per_block = 32  # page size
     config.pools = ml_collections.ConfigDict()
-    config.pools.model = "gemma3-270m"  # geometry split (also as a hybrid: its layers cycled recurrent, recurrent, attention)
+    # geometry split (also as a hybrid: its layers cycled recurrent, recurrent, attention)
+    config.pools.model = "gemma3-270m"
     config.pools.max_tokens = 32768  # device cache, tokens of the equal split
     config.pools.max_seq_len = 8192  # longest sequence each group must hold
     config.pools.avg_seq_lens = (1024, 4096)  # KvCacheConfig.avg_seq_len settings

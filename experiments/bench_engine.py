@@ -44,10 +44,12 @@ PEER_MARK = "VLLM_PEER_RESULT "
 """Prefix of the one stdout line carrying ``experiments/peers/vllm_cpu.py``'s JSON result."""
 
 
-def measure(engine: Engine, config: ml_collections.ConfigDict, rng: np.random.Generator) -> dict[str, tuple[float, float]]:
+def measure(
+    engine: Engine, config: ml_collections.ConfigDict, rng: np.random.Generator
+) -> dict[str, tuple[float, float]]:
     """One round of every row: name -> (value in the row's unit, wall seconds)."""
     vocab = engine.model.config.vocab_size
-    draw = lambda n: rng.integers(3, vocab, n).tolist()  # noqa: E731
+    draw = lambda n: rng.integers(3, vocab, n).tolist()
 
     def first_token(prompt: list[int]) -> tuple[float, float]:
         start = time.perf_counter()
@@ -89,7 +91,9 @@ def decode_tokens_per_s(engine: Engine, prompts: list[list[int]], sampling: Samp
     return (sum(len(engine.requests[i].sched.output_token_ids) for i in ids) - emitted) / seconds
 
 
-def measure_v2(engines: dict[str, Engine], config: ml_collections.ConfigDict, rng: np.random.Generator) -> dict[str, tuple[float, float]]:
+def measure_v2(
+    engines: dict[str, Engine], config: ml_collections.ConfigDict, rng: np.random.Generator
+) -> dict[str, tuple[float, float]]:
     """One round of the decode tokens/s rows: per batch, the same prompts through every engine."""
     vocab = config.vocab_size
     sampling = SamplingParams(max_new_tokens=config.decode_tokens + 1, ignore_eos=True)
@@ -98,13 +102,18 @@ def measure_v2(engines: dict[str, Engine], config: ml_collections.ConfigDict, rn
         prompts = [rng.integers(3, vocab, config.decode_context).tolist() for _ in range(batch)]
         for name, engine in engines.items():
             start = time.perf_counter()
-            rows[f"decode_b{batch}_tok_s_{name}"] = (decode_tokens_per_s(engine, prompts, sampling), time.perf_counter() - start)
+            rows[f"decode_b{batch}_tok_s_{name}"] = (
+                decode_tokens_per_s(engine, prompts, sampling),
+                time.perf_counter() - start,
+            )
     return rows
 
 
 def hit_rates(config: ml_collections.ConfigDict, vocab_size: int) -> list[dict]:
     """Block and token hit rates of V1 (LRU, priority-LRU) and V2 (LRU) replaying the trace."""
-    cfg = ml_collections.ConfigDict({**config.hit_trace.to_dict(), "tokens_per_block": config.kv_cache.tokens_per_block})
+    cfg = ml_collections.ConfigDict(
+        {**config.hit_trace.to_dict(), "tokens_per_block": config.kv_cache.tokens_per_block}
+    )
     trace = make_trace(cfg, vocab_size)
     kv = KvCacheConfig(tokens_per_block=cfg.tokens_per_block)
     rows = []
@@ -140,7 +149,9 @@ def measure_peer(config: ml_collections.ConfigDict, max_seq_len: int) -> dict[st
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
-    max_seq_len = max(config.prompt_tokens, *config.prefill_lengths, config.decode_context + config.decode_tokens + 1) + 64
+    max_seq_len = (
+        max(config.prompt_tokens, *config.prefill_lengths, config.decode_context + config.decode_tokens + 1) + 64
+    )
     peer = measure_peer(config, max_seq_len) if config.peer_python else {}
     model = load_model(config.model)
     engine = Engine(
@@ -176,7 +187,9 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                     "kvjax_over_vllm": value / reference if lower_is_better else reference / value}
             # vLLM's figure moved to this machine by the matmul-rate ratio (an estimate, not a measurement).
             row["vllm_scaled"] = reference / scale if lower_is_better else reference * scale
-            row["kvjax_over_vllm_scaled"] = value / row["vllm_scaled"] if lower_is_better else row["vllm_scaled"] / value
+            row["kvjax_over_vllm_scaled"] = (
+                value / row["vllm_scaled"] if lower_is_better else row["vllm_scaled"] / value
+            )
             if name in peer:
                 row["vllm_here"] = peer[name]
                 row["kvjax_over_vllm_here"] = value / peer[name] if lower_is_better else peer[name] / value
@@ -191,14 +204,20 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     table = report.markdown_table(rows, columns)
     report.write_csv(workdir / "engine.csv", rows, columns)
     note = (
-        f"{config.model} on {jax.devices()[0].device_kind} ({jax.default_backend()}); median of {config.repeats} rounds "
-        f"after {config.warmup} warm-up. This machine: f32 matmul {limits['matmul_2048_gflops']:.0f} GFLOP/s at 2048^3, "
+        f"{config.model} on {jax.devices()[0].device_kind} ({jax.default_backend()}); median of {config.repeats} "
+        f"rounds "
+        f"after {config.warmup} warm-up. This machine: f32 matmul {limits['matmul_2048_gflops']:.0f} GFLOP/s at "
+        f"2048^3, "
         f"{limits['matmul_mlp_gflops']:.0f} GFLOP/s at [1024x576]x[576x1536]; copy {limits['copy_gb_s']:.1f} GB/s "
         "(read + write). kvjax_over_vllm < 1 means kvjax is faster. vllm_cpu was measured on another machine "
         f"(~{VLLM_MACHINE_GFLOPS:.0f} GFLOP/s); vllm_scaled moves it here by the matmul-rate ratio ({scale:.2f}), an "
         "estimate: only a side-by-side run settles a comparison.\n"
-        + ("vllm_here: vLLM CPU 0.32.0 measured in this run, on this machine, just before kvjax (same rows, "
-           "sizes and rounds); kvjax_over_vllm_here is the side-by-side ratio.\n" if peer else "")
+        + (
+            "vllm_here: vLLM CPU 0.32.0 measured in this run, on this machine, just before kvjax (same rows, "
+            "sizes and rounds); kvjax_over_vllm_here is the side-by-side ratio.\n"
+            if peer
+            else ""
+        )
     )
     hit_table = report.markdown_table(hits, list(hits[0]))
     report.write_summary(workdir, "bench_engine — engine speed vs vLLM CPU",

@@ -35,7 +35,7 @@ from kvjax.engine.scheduler import Scheduler, SchedulerRequest
 from kvjax.manager import KVCacheManager
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
 
 def scheduler_replay(mgr: KVCacheManager, trace: Sequence[TraceRequest], cfg: ml_collections.ConfigDict,
@@ -83,9 +83,11 @@ def model_steps(cfg: ml_collections.ConfigDict) -> dict:
     model = load_model(cfg.model, cfg.gguf_path or None)
     rng = np.random.default_rng(cfg.trace.seed)
     engine = Engine(
-        model, KvCacheConfig(tokens_per_block=cfg.tokens_per_block, max_tokens=m.max_tokens,
-                             enable_block_reuse=False),
-        SchedulerConfig(max_batch_size=m.batch_size, max_num_tokens=m.prompt_tokens, prefill_chunk_size=m.prompt_tokens),
+        model,
+        KvCacheConfig(tokens_per_block=cfg.tokens_per_block, max_tokens=m.max_tokens, enable_block_reuse=False),
+        SchedulerConfig(
+            max_batch_size=m.batch_size, max_num_tokens=m.prompt_tokens, prefill_chunk_size=m.prompt_tokens
+        ),
         max_seq_len=m.max_seq_len,
     )
     sampling = SamplingParams(max_new_tokens=m.new_tokens, ignore_eos=True)
@@ -173,11 +175,21 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     plot(op_rows, compare, workdir / "bench_manager.png")
     report.write_csv(workdir / "ops.csv", op_rows)
     sections = [
-        ("Trace", f"{len(trace)} requests, {sum(len(r.prompt) for r in trace)} prompt tokens, "
-                  f"{config.tokens_per_block} tokens/block, {config.num_device_pages - 1} device pages; "
-                  f"manager replay with {config.concurrency} requests in flight.\n"),
-        ("µs per block operation (CPU)", report.markdown_table(
-            op_rows, ["host_pages", "block_hit_rate"] + [f"us_per_{k}_block" for k in OP_KINDS] + ["us_per_request", "cpu_share"])),
+        (
+            "Trace",
+            f"{len(trace)} requests, {sum(len(r.prompt) for r in trace)} prompt tokens, "
+            f"{config.tokens_per_block} tokens/block, {config.num_device_pages - 1} device pages; "
+            f"manager replay with {config.concurrency} requests in flight.\n",
+        ),
+        (
+            "µs per block operation (CPU)",
+            report.markdown_table(
+                op_rows,
+                ["host_pages", "block_hit_rate"]
+                + [f"us_per_{k}_block" for k in OP_KINDS]
+                + ["us_per_request", "cpu_share"],
+            ),
+        ),
         ("Scheduler replay (all host work of the engine loop, no model)", report.markdown_table(sched_rows)),
     ]
     if steps is not None:

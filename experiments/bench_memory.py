@@ -24,7 +24,7 @@ from kvjax.model.registry import Model, load_model
 from kvjax.sampling import SamplingParams
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 ATTENTION_KIND = {1: "MQA"}
 DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "i8", "fp8": "fp8"}
@@ -51,21 +51,36 @@ def attention_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict
         kind = "MHA" if kv_heads == cfg.num_heads else ATTENTION_KIND.get(kv_heads, "GQA")
         for dtype, granularity in storage_variants(c.dtypes, c.scale_granularities):
             layout = CacheLayout(
-                layer_windows=(cfg.max_seq_len,) * cfg.num_layers, num_pages=(c.num_pages,), tokens_per_block=c.tokens_per_block,
-                num_kv_heads=kv_heads, head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len, dtype=dtype,
+                layer_windows=(cfg.max_seq_len,) * cfg.num_layers,
+                num_pages=(c.num_pages,),
+                tokens_per_block=c.tokens_per_block,
+                num_kv_heads=kv_heads,
+                head_dim=cfg.head_dim,
+                max_seq_len=cfg.max_seq_len,
+                dtype=dtype,
                 scale_granularity="token" if granularity == "-" else granularity,
             )
             allocated = pool_nbytes(init_pool(layout))
             if allocated != layout.pool_bytes():
-                raise RuntimeError(f"{dtype}/{granularity}: allocated pool {allocated} B != layout.pool_bytes() {layout.pool_bytes()} B")
+                raise RuntimeError(
+                    f"{dtype}/{granularity}: allocated pool {allocated} B != layout.pool_bytes() {layout.pool_bytes()} "
+                    f"B"
+                )
             page_bytes = layout.bytes_per_page(0)
-            rows.append({
-                "attention": kind, "kv_heads": kv_heads, "dtype": dtype, "scales": granularity, "layers": cfg.num_layers,
-                "head_dim": cfg.head_dim, "bytes_per_token": layout.bytes_per_token,
-                "allocated_bytes_per_slot": allocated / (c.num_pages * c.tokens_per_block),
-                "tokens_in_budget": c.budget_bytes // page_bytes * c.tokens_per_block,
-                "vs_float32": round(_float32_bytes(cfg, kv_heads) / (page_bytes / c.tokens_per_block), 3),
-            })
+            rows.append(
+                {
+                    "attention": kind,
+                    "kv_heads": kv_heads,
+                    "dtype": dtype,
+                    "scales": granularity,
+                    "layers": cfg.num_layers,
+                    "head_dim": cfg.head_dim,
+                    "bytes_per_token": layout.bytes_per_token,
+                    "allocated_bytes_per_slot": allocated / (c.num_pages * c.tokens_per_block),
+                    "tokens_in_budget": c.budget_bytes // page_bytes * c.tokens_per_block,
+                    "vs_float32": round(_float32_bytes(cfg, kv_heads) / (page_bytes / c.tokens_per_block), 3),
+                }
+            )
     return rows
 
 
@@ -83,7 +98,9 @@ def window_rows(config: ml_collections.ConfigDict, model: Model, rng: np.random.
     engine = Engine(model, kv, scheduler, max_seq_len=longest + 64)
     layout = engine.layout
     if pool_nbytes(engine.pool) != layout.pool_bytes():
-        raise RuntimeError(f"allocated pool {pool_nbytes(engine.pool)} B != layout.pool_bytes() {layout.pool_bytes()} B")
+        raise RuntimeError(
+            f"allocated pool {pool_nbytes(engine.pool)} B != layout.pool_bytes() {layout.pool_bytes()} B"
+        )
     rows = []
     for length in tqdm(c.lengths, desc=f"windows {model.config.name}"):
         prompt = rng.integers(3, model.config.vocab_size, length).tolist()
@@ -110,10 +127,16 @@ def offload_rows(config: ml_collections.ConfigDict, model: Model, rng: np.random
     prompts = [rng.integers(3, model.config.vocab_size, c.prompt_tokens).tolist() for _ in range(c.num_prompts)]
     sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
     cfg = model.config
-    device_bytes = c.device_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.params.embed.dtype.itemsize
+    device_bytes = (
+        c.device_tokens * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.params.embed.dtype.itemsize
+    )
     rows = []
     for multiple in c.host_multiples:
-        kv = KvCacheConfig(tokens_per_block=c.tokens_per_block, max_tokens=c.device_tokens, host_cache_size=int(multiple * device_bytes))
+        kv = KvCacheConfig(
+            tokens_per_block=c.tokens_per_block,
+            max_tokens=c.device_tokens,
+            host_cache_size=int(multiple * device_bytes),
+        )
         engine = Engine(model, kv, max_seq_len=2 * c.prompt_tokens)
         if engine.cache_size.cache_bytes != device_bytes:
             raise RuntimeError(f"engine cache {engine.cache_size.cache_bytes} B != {device_bytes} B expected")
@@ -151,25 +174,41 @@ def pool_rows(config: ml_collections.ConfigDict, model: Model) -> list[dict]:
     for name, cfg in ((model.config.name, model.config), (f"{model.config.name} as hybrid", hybrid)):
         for setting, fields in settings if cfg is model.config else [("none (fallback)", {})]:
             kv = KvCacheConfig(tokens_per_block=32, max_tokens=pools.max_tokens, free_memory_bytes=1 << 34, **fields)
-            layout, _ = CacheLayout.for_model(kv, model_windows=cfg.layer_windows, num_kv_heads=cfg.num_kv_heads,
-                                              head_dim=cfg.head_dim, max_seq_len=pools.max_seq_len, model_dtype="float32",
-                                              hybrid=bool(cfg.recurrent_layers))
+            layout, _ = CacheLayout.for_model(
+                kv,
+                model_windows=cfg.layer_windows,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                max_seq_len=pools.max_seq_len,
+                model_dtype="float32",
+                hybrid=bool(cfg.recurrent_layers),
+            )
             total = sum((p - 1) * layout.bytes_per_page(g) for g, p in enumerate(layout.num_pages))
             for g, pages in enumerate(layout.num_pages):
-                rows.append({
-                    "model": name, "setting": setting, "group": g, "window": layout.group_windows[g],
-                    "layers": layout.group_layers[g], "pages": pages - 1, "tokens": (pages - 1) * layout.tokens_per_block,
-                    "mib": (pages - 1) * layout.bytes_per_page(g) / 2**20,
-                    "share": (pages - 1) * layout.bytes_per_page(g) / total,
-                })
+                rows.append(
+                    {
+                        "model": name,
+                        "setting": setting,
+                        "group": g,
+                        "window": layout.group_windows[g],
+                        "layers": layout.group_layers[g],
+                        "pages": pages - 1,
+                        "tokens": (pages - 1) * layout.tokens_per_block,
+                        "mib": (pages - 1) * layout.bytes_per_page(g) / 2**20,
+                        "share": (pages - 1) * layout.bytes_per_page(g) / total,
+                    }
+                )
     return rows
 
 
 def plot(attention: list[dict], windows: list[dict], offload: list[dict], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
-    labels = [f"{r['attention']}\n{DTYPE_SHORT.get(r['dtype'], r['dtype'])}{'' if r['scales'] == '-' else '/' + r['scales'][0]}"
-              for r in attention]
+    labels = [
+        f"{r['attention']}\n{DTYPE_SHORT.get(r['dtype'], r['dtype'])}"
+        f"{'' if r['scales'] == '-' else '/' + r['scales'][0]}"
+        for r in attention
+    ]
     ax.bar(range(len(attention)), [r["bytes_per_token"] / 1024 for r in attention])
     ax.set_xticks(range(len(attention)), labels, fontsize=6)
     ax.set(ylabel="KiB / token", title="KV bytes per token (all layers)")
@@ -178,12 +217,18 @@ def plot(attention: list[dict], windows: list[dict], offload: list[dict], path: 
         ax.plot([r["tokens"] for r in rows], [r["bytes_held"] / 2**20 for r in rows], marker="o",
                 label=f"{model} g{group} (window {rows[0]['window']}, {rows[0]['layers']} layers)")
         if rows[0]["window"] != "full":
-            ax.plot([r["tokens"] for r in rows], [r["bytes_if_full"] / 2**20 for r in rows], linestyle=":", color="gray")
+            ax.plot(
+                [r["tokens"] for r in rows], [r["bytes_if_full"] / 2**20 for r in rows], linestyle=":", color="gray"
+            )
     ax.set(xlabel="tokens in the request", ylabel="MiB held", title="pages held per layer group (dotted: unwindowed)")
     ax.legend(fontsize=7)
     ax = axes[2]
     ax.plot([r["host_multiple"] for r in offload], [r["reusable_prompts"] for r in offload], marker="o")
-    ax.set(xlabel="host cache (x device cache bytes)", ylabel="distinct prompts reusable", title="capacity with host offload")
+    ax.set(
+        xlabel="host cache (x device cache bytes)",
+        ylabel="distinct prompts reusable",
+        title="capacity with host offload",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -198,7 +243,10 @@ def _by(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     rng = np.random.default_rng(config.seed)
-    models = {name: load_model(name) for name in {config.attention.model, config.offload.model, config.pools.model, *config.windows.models}}
+    models = {
+        name: load_model(name)
+        for name in {config.attention.model, config.offload.model, config.pools.model, *config.windows.models}
+    }
     attention = attention_rows(config, models[config.attention.model])
     windows = [r for name in config.windows.models for r in window_rows(config, models[name], rng)]
     offload = offload_rows(config, models[config.offload.model], rng)
@@ -217,4 +265,10 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     ]
     report.write_summary(workdir, "bench_memory — KV-cache memory", sections)
     (workdir / "memory.md").write_text("".join(f"## {h}\n\n{b}\n" for h, b in sections))
-    return {"attention": attention, "windows": windows, "offload": offload, "pools": pools, "device": jax.devices()[0].device_kind}
+    return {
+        "attention": attention,
+        "windows": windows,
+        "offload": offload,
+        "pools": pools,
+        "device": jax.devices()[0].device_kind,
+    }

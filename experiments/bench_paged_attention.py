@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import ml_collections
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
 
 def contiguous_decode(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, sm_scale: float) -> jax.Array:

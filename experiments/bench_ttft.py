@@ -25,43 +25,54 @@ from kvjax.model.registry import Model, load_model
 from kvjax.sampling import SamplingParams
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 SAMPLING = SamplingParams(max_new_tokens=1, ignore_eos=True)
 
 
-def engine_round(engine: Engine, config: ml_collections.ConfigDict, length: int, rng: np.random.Generator) -> dict[str, tuple[float, int]]:
+def engine_round(
+    engine: Engine, config: ml_collections.ConfigDict, length: int, rng: np.random.Generator
+) -> dict[str, tuple[float, int]]:
     """One round at ``length``: cold, then one prompt per hit fraction sharing a cached base prompt.
 
     Returns:
       method -> (TTFT seconds, reused tokens).
     """
     vocab = engine.model.config.vocab_size
-    draw = lambda n: rng.integers(3, vocab, n).tolist()  # noqa: E731
+    draw = lambda n: rng.integers(3, vocab, n).tolist()
     [cold] = engine.generate([draw(length)], SAMPLING)
     out = {"cold": (cold.ttft_s, cold.num_reused_tokens)}
     base = draw(length)
     engine.generate([base], SAMPLING)
     block = config.kv_cache.tokens_per_block
     for fraction in config.hit_fractions:
-        cached = int(round(fraction * length / block)) * block
+        cached = round(fraction * length / block) * block
         [hit] = engine.generate([base[:cached] + draw(length - cached)], SAMPLING)
         out[f"hit_{round(100 * fraction)}"] = (hit.ttft_s, hit.num_reused_tokens)
     return out
 
 
-def blend_prompt(config: ml_collections.ConfigDict, prefix: tuple[int, ...], length: int, rng: np.random.Generator, vocab: int) -> BlendPrompt:
+def blend_prompt(
+    config: ml_collections.ConfigDict, prefix: tuple[int, ...], length: int, rng: np.random.Generator, vocab: int
+) -> BlendPrompt:
     """``prefix`` + random chunks of ``blend.chunk_tokens`` (the last one shorter) + a random suffix."""
     c = config.blend
     middle = length - len(prefix) - c.suffix_tokens
     if middle <= 0:
-        raise ValueError(f"lengths entry {length} must exceed blend.prefix_tokens + blend.suffix_tokens = {len(prefix) + c.suffix_tokens}")
-    sizes = [c.chunk_tokens] * (middle // c.chunk_tokens) + ([middle % c.chunk_tokens] if middle % c.chunk_tokens else [])
-    draw = lambda n: tuple(int(t) for t in rng.integers(3, vocab, n))  # noqa: E731
+        raise ValueError(
+            f"lengths entry {length} must exceed blend.prefix_tokens + blend.suffix_tokens = "
+            f"{len(prefix) + c.suffix_tokens}"
+        )
+    sizes = [c.chunk_tokens] * (middle // c.chunk_tokens) + (
+        [middle % c.chunk_tokens] if middle % c.chunk_tokens else []
+    )
+    draw = lambda n: tuple(int(t) for t in rng.integers(3, vocab, n))
     return BlendPrompt(prefix=prefix, chunks=tuple(draw(n) for n in sizes), suffix=draw(c.suffix_tokens))
 
 
-def blend_round(blender: Blender, config: ml_collections.ConfigDict, length: int, rng: np.random.Generator) -> dict[str, tuple[float, int]]:
+def blend_round(
+    blender: Blender, config: ml_collections.ConfigDict, length: int, rng: np.random.Generator
+) -> dict[str, tuple[float, int]]:
     """One round at ``length``: full recompute and CacheBlend at each ratio on one fresh prompt,
     all engine requests (the chunks are stored first, untimed).
 
@@ -76,7 +87,7 @@ def blend_round(blender: Blender, config: ml_collections.ConfigDict, length: int
     out = {"blend_full": (full.ttft_s, 1)}
     for ratio in config.blend_ratios:
         sel_config = selection.SelectionConfig(
-            recompute_ratio=ratio, check_layers=tuple(c.check_layers), budgets=tuple(c.budgets), row_bucket=c.row_bucket,
+            recompute_ratio=ratio, check_layers=tuple(c.check_layers), budgets=tuple(c.budgets), row_bucket=c.row_bucket
         )
         run = blender.run(prompt, sel_config)
         out[f"blend_{ratio:g}"] = (run.ttft_s, int(np.argmax(run.logits[-1]) == np.argmax(full.logits[0])))
@@ -117,7 +128,9 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     blender = None
     if config.blend_ratios:
         prefix = tuple(int(t) for t in rng.integers(3, model.config.vocab_size, config.blend.prefix_tokens))
-        blender = Blender(ChunkStore(engine, variant="system", prefix_tokens=prefix), token_bucket=config.blend.token_bucket)
+        blender = Blender(
+            ChunkStore(engine, variant="system", prefix_tokens=prefix), token_bucket=config.blend.token_bucket
+        )
     samples: dict[tuple[int, str], list[tuple[float, int]]] = collections.defaultdict(list)
     for length in config.lengths:
         for round_ in tqdm(range(config.warmup + config.repeats), desc=f"ttft {length} tokens"):
@@ -149,5 +162,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         "tier included). The engine pads prefill chunks to power-of-two token buckets, so hits that leave the "
         "same bucket (e.g. 10% and 30% of 256) cost the same.\n"
     )
-    report.write_summary(workdir, "bench_ttft — time to first token", [("Setup", note), ("TTFT", table), ("Plot", "![ttft](ttft.png)\n")])
+    report.write_summary(
+        workdir, "bench_ttft — time to first token", [("Setup", note), ("TTFT", table), ("Plot", "![ttft](ttft.png)\n")]
+    )
     return {"rows": rows, "device": jax.devices()[0].device_kind}

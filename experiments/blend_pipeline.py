@@ -28,7 +28,7 @@ from kvjax.engine import Engine
 from kvjax.model.registry import load_model
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 Cell = tuple[str, float, str]
 """(tier, GB/s (0 on the device), mode "pipelined" | "serial" | "-")."""
@@ -49,14 +49,25 @@ def controller_for(config: ml_collections.ConfigDict, engine: Engine, cost: Reco
     tiers = [TierSpec("device", float("inf"), 0.0, cost_rank=2)]
     if tier != "device":
         tiers.append(measure_tier(engine.layout, tier, TierThrottle(gbps, config.latency_ms), num_tokens))
-    return LoadingController(tiers, cost.seconds_per_token_layer, engine.layout.bytes_per_token_layer, config.min_ratio, cost.fixed_s,
-                             config.headroom)
+    return LoadingController(
+        tiers,
+        cost.seconds_per_token_layer,
+        engine.layout.bytes_per_token_layer,
+        config.min_ratio,
+        cost.fixed_s,
+        config.headroom,
+    )
 
 
-def policies(config: ml_collections.ConfigDict, controller: LoadingController, cell: Cell, num_tokens: int) -> list[tuple[str, SelectionConfig]]:
+def policies(
+    config: ml_collections.ConfigDict, controller: LoadingController, cell: Cell, num_tokens: int
+) -> list[tuple[str, SelectionConfig]]:
     """Full reuse, CacheBlend at each fixed ratio and at the controller's ratio for the cell
     ("auto": ``min_ratio`` when the cell onboards serially, nothing hiding the recompute)."""
-    fixed = [(f"cacheblend@{r:g}", SelectionConfig(recompute_ratio=float(r), row_bucket=config.row_bucket)) for r in config.ratios]
+    fixed = [
+        (f"cacheblend@{r:g}", SelectionConfig(recompute_ratio=float(r), row_bucket=config.row_bucket))
+        for r in config.ratios
+    ]
     auto = controller.decide(num_tokens, cell[0], overlapped=cell[2] != "serial").ratio
     return [("full_reuse", SelectionConfig(selector="none", row_bucket=config.row_bucket)), *fixed,
             ("auto", SelectionConfig(recompute_ratio=auto, row_bucket=config.row_bucket))]
@@ -105,7 +116,11 @@ def plot_ttft(rows: list[dict], config: ml_collections.ConfigDict, path: pathlib
         for i, name in enumerate(names):
             color = plt.cm.tab10(i)
             for mode, style in (("pipelined", "-"), ("serial", "--")):
-                mine = sorted((r["gbps"], r["ttft_s"]) for r in rows if r["tier"] == tier and r["mode"] == mode and r["policy"] == name)
+                mine = sorted(
+                    (r["gbps"], r["ttft_s"])
+                    for r in rows
+                    if r["tier"] == tier and r["mode"] == mode and r["policy"] == name
+                )
                 if mine:
                     ax.plot(*zip(*mine), style, marker="o", color=color, label=f"{name} ({mode})")
             device = [r["ttft_s"] for r in rows if r["tier"] == "device" and r["policy"] == name]
@@ -145,8 +160,12 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                                  chunk_tokens=tuple(config.chunk_tokens))
     prompts = [BlendPrompt(e.prefix, e.chunks, e.suffix) for e in examples]
     token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(model.params.embed.dtype).itemsize
-    kv = KvCacheConfig(tokens_per_block=config.tokens_per_block, max_tokens=config.cache_tokens,
-                       host_cache_size=config.host_tokens * token_bytes, disk_cache_size=config.disk_tokens * token_bytes)
+    kv = KvCacheConfig(
+        tokens_per_block=config.tokens_per_block,
+        max_tokens=config.cache_tokens,
+        host_cache_size=config.host_tokens * token_bytes,
+        disk_cache_size=config.disk_tokens * token_bytes,
+    )
     engine = Engine(model, kv, SchedulerConfig(prefill_chunk_size=2048, max_num_tokens=4096),
                     max_seq_len=max(p.roles.num_tokens for p in prompts) + 64)
     store = ChunkStore(engine, variant="system", prefix_tokens=prompts[0].prefix)
@@ -160,13 +179,26 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         engine.manager.clear_cache()
         for chunk in prompt.chunks:
             store.put(chunk)
-        full, compilations = timing.compilations_during(lambda: blender.run(prompt, FULL_RECOMPUTE))
+        full, compilations = timing.compilations_during(lambda prompt=prompt: blender.run(prompt, FULL_RECOMPUTE))
         if compilations.programs:  # timed again, without compiling
             retried += 1
             full = blender.run(prompt, FULL_RECOMPUTE)
         if timed:
-            rows.append({"prompt": i, "tier": "-", "gbps": 0.0, "mode": "-", "policy": FULL_RECOMPUTE, "ratio": 1.0,
-                         "ttft_s": full.ttft_s, "kl": 0.0, "layerwise_pages": 0, "load_per_layer_s": 0.0, "compute_per_layer_s": 0.0})
+            rows.append(
+                {
+                    "prompt": i,
+                    "tier": "-",
+                    "gbps": 0.0,
+                    "mode": "-",
+                    "policy": FULL_RECOMPUTE,
+                    "ratio": 1.0,
+                    "ttft_s": full.ttft_s,
+                    "kl": 0.0,
+                    "layerwise_pages": 0,
+                    "load_per_layer_s": 0.0,
+                    "compute_per_layer_s": 0.0,
+                }
+            )
         n_chunk = sum(len(c) for c in prompt.chunks)
         for cell in cells(config):
             controller = controller_for(config, engine, cost, cell[0], cell[1], n_chunk)
@@ -182,20 +214,36 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
                              "layerwise_pages": out.report.layerwise_pages, **times})
                 if cell[0] != "device" and cell[2] == "pipelined":
                     rows_per_layer = row_capacity(int(out.report.recomputed[-1].sum()), config.row_bucket)
-                    validation.append({
-                        "prompt": i, "tier": cell[0], "gbps": cell[1], "policy": name,
-                        "load_predicted_ms": 1e3 * controller.load_time(cell[0], out.report.chunk_hit + out.report.prefix_hit),
-                        "load_measured_ms": 1e3 * times["load_per_layer_s"],
-                        "compute_predicted_ms": 1e3 * (cost.fixed_s + rows_per_layer * cost.seconds_per_token_layer),
-                        "compute_measured_ms": 1e3 * times["compute_per_layer_s"],
-                    })
+                    validation.append(
+                        {
+                            "prompt": i,
+                            "tier": cell[0],
+                            "gbps": cell[1],
+                            "policy": name,
+                            "load_predicted_ms": 1e3
+                            * controller.load_time(cell[0], out.report.chunk_hit + out.report.prefix_hit),
+                            "load_measured_ms": 1e3 * times["load_per_layer_s"],
+                            "compute_predicted_ms": 1e3
+                            * (cost.fixed_s + rows_per_layer * cost.seconds_per_token_layer),
+                            "compute_measured_ms": 1e3 * times["compute_per_layer_s"],
+                        }
+                    )
                 if i == total - 1 and name in ("cacheblend@0.15", "full_reuse") and cell[0] == config.tiers[0] and \
                         cell[1] in (min(config.bandwidths_gbps), max(config.bandwidths_gbps)):
                     for kind in ("load", "compute"):
                         for e in out.report.timeline[kind]:
-                            timeline_rows.append({"tier": cell[0], "gbps": cell[1], "mode": cell[2], "policy": name, "kind": kind,
-                                                  "layer": e.get("layer", e.get("layers", (0,))[0]),
-                                                  "start_ms": 1e3 * e["start_s"], "end_ms": 1e3 * e["end_s"]})
+                            timeline_rows.append(
+                                {
+                                    "tier": cell[0],
+                                    "gbps": cell[1],
+                                    "mode": cell[2],
+                                    "policy": name,
+                                    "kind": kind,
+                                    "layer": e.get("layer", e.get("layers", (0,))[0]),
+                                    "start_ms": 1e3 * e["start_s"],
+                                    "end_ms": 1e3 * e["end_s"],
+                                }
+                            )
     return write(workdir, config, rows, validation, timeline_rows, cost, limits, retried)
 
 
@@ -208,10 +256,20 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (tier, gbps, mode, policy), mine in groups.items():
         ttft = float(np.median([r["ttft_s"] for r in mine]))
-        out.append({"tier": tier, "gbps": gbps, "mode": mode, "policy": policy, "ratio": float(np.mean([r["ratio"] for r in mine])),
-                    "ttft_ms": 1e3 * ttft, "speedup": full / ttft, "kl": float(np.mean([r["kl"] for r in mine])),
-                    "load_per_layer_ms": 1e3 * float(np.mean([r.get("load_per_layer_s", 0.0) for r in mine])),
-                    "compute_per_layer_ms": 1e3 * float(np.mean([r.get("compute_per_layer_s", 0.0) for r in mine]))})
+        out.append(
+            {
+                "tier": tier,
+                "gbps": gbps,
+                "mode": mode,
+                "policy": policy,
+                "ratio": float(np.mean([r["ratio"] for r in mine])),
+                "ttft_ms": 1e3 * ttft,
+                "speedup": full / ttft,
+                "kl": float(np.mean([r["kl"] for r in mine])),
+                "load_per_layer_ms": 1e3 * float(np.mean([r.get("load_per_layer_s", 0.0) for r in mine])),
+                "compute_per_layer_ms": 1e3 * float(np.mean([r.get("compute_per_layer_s", 0.0) for r in mine])),
+            }
+        )
     return out
 
 
@@ -225,9 +283,21 @@ def auto_check(table: list[dict]) -> list[dict]:
             continue
         best = min(fixed, key=lambda r: r["ttft_ms"])
         auto = mine["auto"]
-        out.append({"tier": tier, "gbps": gbps, "mode": mode, "auto_ratio": auto["ratio"], "auto_ttft_ms": auto["ttft_ms"],
-                    "auto_kl": auto["kl"], "best_fixed": best["policy"], "best_ttft_ms": best["ttft_ms"], "best_kl": best["kl"],
-                    "ttft_vs_best": auto["ttft_ms"] / best["ttft_ms"], "kl_le_best": auto["kl"] <= best["kl"] * 1.0001})
+        out.append(
+            {
+                "tier": tier,
+                "gbps": gbps,
+                "mode": mode,
+                "auto_ratio": auto["ratio"],
+                "auto_ttft_ms": auto["ttft_ms"],
+                "auto_kl": auto["kl"],
+                "best_fixed": best["policy"],
+                "best_ttft_ms": best["ttft_ms"],
+                "best_kl": best["kl"],
+                "ttft_vs_best": auto["ttft_ms"] / best["ttft_ms"],
+                "kl_le_best": auto["kl"] <= best["kl"] * 1.0001,
+            }
+        )
     return out
 
 
@@ -257,7 +327,10 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, rows: list[d
         ("Setup", setup),
         ("TTFT per placement (median over prompts)", report.markdown_table(table)),
         ('"auto" against the best fixed ratio', report.markdown_table(checks) if checks else "(no cells)\n"),
-        ("Controller: measured / predicted per layer (median)", "".join(f"- {k}: {v:.2f}\n" for k, v in ratios.items()) or "-\n"),
+        (
+            "Controller: measured / predicted per layer (median)",
+            "".join(f"- {k}: {v:.2f}\n" for k, v in ratios.items()) or "-\n",
+        ),
         ("Plots", "![ttft](ttft_vs_bandwidth.png)\n\n![timeline](timeline.png)\n"),
     ]
     report.write_summary(workdir, "blend_pipeline — CacheBlend on storage tiers", sections)

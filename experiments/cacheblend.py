@@ -44,7 +44,6 @@ from kvjax import metrics
 from kvjax.blend import loading_controller
 
 
-
 def _ratio(config: ml_collections.ConfigDict, controller, num_tokens: int) -> float:
     requested = str(config.policy.recompute_ratio)
     if requested == "auto":
@@ -112,8 +111,9 @@ def _head() -> str:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
     if head.returncode:
         return "unknown"
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kvjax", "experiments", "configs", "pallas_kernels"],
-                           cwd=root).returncode
+    dirty = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", "kvjax", "experiments", "configs", "pallas_kernels"], cwd=root
+    ).returncode
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
@@ -170,7 +170,8 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         example, prompt = setup.examples[i], prompts[i]
         t0, timings, compiled = time.perf_counter(), dict(setup.engine.timings), dataclasses.replace(compiles)
         warm = dataclasses.replace(log)
-        setup.engine.manager.clear_cache()  # no earlier prompt's chunk blocks (kept before runs' blocks) crowd this one's out
+        # no earlier prompt's chunk blocks (kept before runs' blocks) crowd this one's out
+        setup.engine.manager.clear_cache()
         for chunk in prompt.chunks:
             setup.store.put(chunk)
         ref = ev.reference(setup, prompt, sel_cfg, config, log, detailed=i < config.eval.detail_prompts)
@@ -179,7 +180,9 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         np.save(workdir / DEVIATIONS / f"{i:05d}.npy", dev.astype(np.float16))
         runs = main_runs + (sweep_runs if i < config.sweep.num_prompts else [])
         results = ev.evaluate_prompt(setup, example, runs, ref, config, log, detailed=i < config.eval.detail_prompts)
-        engine_s = {k: setup.engine.timings[k] - timings.get(k, 0) for k in ("prefill_s", "blend_s", "decode_s", "page_ops_s")}
+        engine_s = {
+            k: setup.engine.timings[k] - timings.get(k, 0) for k in ("prefill_s", "blend_s", "decode_s", "page_ops_s")
+        }
         wall = time.perf_counter() - t0
         record = {
             "index": i, "num_tokens": prompt.roles.num_tokens, "reference_answer": ref.answer,
@@ -195,11 +198,25 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         del ref, results
     compiled = compiles.since(compile_start)
     pieces = read_lines(workdir / PIECES)
-    piece = {"piece": len(pieces), "prompts": scored, "seconds": time.perf_counter() - started, "code": code,
-             "machine": {"cpu": loading_controller.cpu_name(), "cores": os.cpu_count(),
-                         "backend": jax.default_backend(), "max_map_count": mappings_limit(), **machine_limits()},
-             "timing": dataclasses.asdict(log), "compile_s": compiled.seconds, "programs": compiled.programs,
-             "backend_compiles": compiled.backend_compiles, "executables_released": releases, "ended": datetime.datetime.now().isoformat(timespec="seconds")}
+    piece = {
+        "piece": len(pieces),
+        "prompts": scored,
+        "seconds": time.perf_counter() - started,
+        "code": code,
+        "machine": {
+            "cpu": loading_controller.cpu_name(),
+            "cores": os.cpu_count(),
+            "backend": jax.default_backend(),
+            "max_map_count": mappings_limit(),
+            **machine_limits(),
+        },
+        "timing": dataclasses.asdict(log),
+        "compile_s": compiled.seconds,
+        "programs": compiled.programs,
+        "backend_compiles": compiled.backend_compiles,
+        "executables_released": releases,
+        "ended": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     with open(workdir / PIECES, "a") as f:
         f.write(json.dumps(report.jsonable(piece)) + "\n")
     results = cacheblend_report.write_folder(workdir)

@@ -21,6 +21,7 @@ P = probe rows, H = heads.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pathlib
 from collections.abc import Sequence
 
@@ -76,7 +77,9 @@ class Setup:
         return [BlendPrompt(e.prefix, e.chunks, e.suffix) for e in self.examples]
 
 
-def workload_examples(config: ml_collections.ConfigDict, tokenizer: Tokenizer, *, split: str, num: int) -> list[RagExample]:
+def workload_examples(
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, *, split: str, num: int
+) -> list[RagExample]:
     """``num`` prompts of ``config.workload`` from ``split`` ("train" or "eval")."""
     w = config.workload
     if w.name not in WORKLOADS:
@@ -116,7 +119,7 @@ def split_long_chunks(example: RagExample, limit: int) -> tuple[RagExample, int]
         cut += pieces > 1
         first.append(len(chunks))
         bounds = np.linspace(0, len(chunk), pieces + 1).round().astype(int)
-        chunks += [chunk[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        chunks += [chunk[a:b] for a, b in itertools.pairwise(bounds)]
         if i in example.fact_chunks:
             facts += range(len(chunks) - pieces, len(chunks))
     return dataclasses.replace(example, chunks=tuple(chunks), fact_chunks=tuple(facts)), cut
@@ -127,7 +130,9 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     chunks too long for the store are split (``split_long_chunks``)."""
     unknown = [p for p in config.policies if p not in POLICIES]
     if unknown or "full_recompute" not in config.policies:
-        raise ValueError(f"policies={tuple(config.policies)} must include 'full_recompute' and only names from {POLICIES}")
+        raise ValueError(
+            f"policies={tuple(config.policies)} must include 'full_recompute' and only names from {POLICIES}"
+        )
     model = load_model(config.model, config.gguf_path or None, config.param_dtype or None)
     tok = model.tokenizer
     # Chat models stop at <|im_end|>; a base model's answer (after the prefilled stem) ends at a newline.
@@ -150,7 +155,9 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     room = min(windows) - 1 if len(windows) > 1 else engine.max_seq_len - ps  # a stored chunk, padded, plus one sample
     limit = room // ps * ps - store.stored_start
     if limit < 1:
-        raise ValueError(f"runtime.tokens_per_block={ps} leaves no room for a chunk in the smallest window {min(windows)}")
+        raise ValueError(
+            f"runtime.tokens_per_block={ps} leaves no room for a chunk in the smallest window {min(windows)}"
+        )
     split = [split_long_chunks(e, limit) for e in examples + train]
     examples, train = [e for e, _ in split[: len(examples)]], [e for e, _ in split[len(examples):]]
     return Setup(model, stop_ids, engine, store, Blender(store, token_bucket=bucket), examples, train, limit,
@@ -248,7 +255,9 @@ def timed(setup: Setup, prompt: BlendPrompt, pol: selection.SelectionConfig | st
 
 def _answer_start(tokenizer: Tokenizer, tokens: Sequence[int], stop_ids: tuple[int, ...]) -> int:
     """Index of the first token that is neither a stop token nor whitespace (len if none)."""
-    return next((i for i, t in enumerate(tokens) if t not in stop_ids and tokenizer.decode([int(t)]).strip()), len(tokens))
+    return next(
+        (i for i, t in enumerate(tokens) if t not in stop_ids and tokenizer.decode([int(t)]).strip()), len(tokens)
+    )
 
 
 def answer_started(tokenizer: Tokenizer, tokens: Sequence[int], stop_ids: tuple[int, ...]) -> bool:
@@ -278,7 +287,9 @@ def reference(setup: Setup, prompt: BlendPrompt, sel_cfg: selection.SelectionCon
     n, blender = prompt.roles.num_tokens, setup.blender
     full = timed(setup, prompt, FULL_RECOMPUTE, log, max_new_tokens=config.eval.continuation_tokens)
     continuation = np.asarray(full.tokens, np.int32)
-    answer, answer_len = answer_text(setup.model.tokenizer, continuation.tolist()[: config.eval.max_answer_tokens], setup.stop_ids)
+    answer, answer_len = answer_text(
+        setup.model.tokenizer, continuation.tolist()[: config.eval.max_answer_tokens], setup.stop_ids
+    )
     probes = config.eval.num_probes
     windowed = len(setup.engine.manager.group_windows) > 1
     cached = None if detailed or windowed else blender.cached_kv(full)
@@ -318,7 +329,9 @@ def _recall_vs_oracle(prompt: BlendPrompt, ratio: float, ref: Reference, recompu
     """Share of the oracle's chunk tokens (highest true deviation) that the last layer recomputed."""
     selectable, _ = prompt.roles.masks(prompt.roles.num_tokens)
     oracle = selection.select_oracle(prompt.roles, ratio, ref.true_dev, 1)
-    oracle_ids = np.setdiff1d(oracle.rows[oracle.rows_valid], np.arange(prompt.roles.suffix_start, prompt.roles.num_tokens))
+    oracle_ids = np.setdiff1d(
+        oracle.rows[oracle.rows_valid], np.arange(prompt.roles.suffix_start, prompt.roles.num_tokens)
+    )
     return metrics.recall(np.flatnonzero(recomputed[-1] & selectable), oracle_ids)
 
 
@@ -354,16 +367,26 @@ def _model_ttft(results: dict[str, dict], timed_keys: Sequence[str]) -> None:
     flops = np.asarray([results[k]["flop_fraction"] for k in timed_keys])
     ttft = np.asarray([results[k]["ttft_s"] for k in timed_keys])
     if len(np.unique(flops)) < 2:
-        raise ValueError(f"the batched sweep's TTFT is modelled on the prompt's blended runs timed alone: got {list(timed_keys)}, "
-                         "which need two distinct FLOP fractions (add full_reuse to the policies, or set sweep.batched=False)")
+        raise ValueError(
+            f"the batched sweep's TTFT is modelled on the prompt's blended runs timed alone: got {list(timed_keys)}, "
+            "which need two distinct FLOP fractions (add full_reuse to the policies, or set sweep.batched=False)"
+        )
     slope, fixed = np.polyfit(flops, ttft, 1)
     for out in results.values():
         if "ttft_batch_s" in out:
             out["ttft_s"], out["ttft_modelled"] = float(fixed + slope * out["flop_fraction"]), True
 
 
-def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str, str, selection.SelectionConfig | str]],
-                    ref: Reference, config: ml_collections.ConfigDict, log: TimingLog, *, detailed: bool) -> dict[str, dict]:
+def evaluate_prompt(
+    setup: Setup,
+    example: RagExample,
+    runs: Sequence[tuple[str, str, selection.SelectionConfig | str]],
+    ref: Reference,
+    config: ml_collections.ConfigDict,
+    log: TimingLog,
+    *,
+    detailed: bool,
+) -> dict[str, dict]:
     """Every run of one prompt against its reference.
 
     Each policy's prefill is timed alone; with ``sweep.batched`` the sweep points ("epic@0.3")
@@ -403,7 +426,8 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
             if out["first_div"] < ref.answer_len:
                 div = out["first_div"]
                 feed = ref.continuation[:div]
-                stop = setup.stop_ids[-1] if answer_started(tok, feed, setup.stop_ids) else None  # then a stop token ends it
+                # then a stop token ends it
+                stop = setup.stop_ids[-1] if answer_started(tok, feed, setup.stop_ids) else None
                 pending[key] = Extension(run, tuple(feed.tolist()), max_new_tokens=budget - div, stop_token_id=stop)
         for (key, ext), out in zip(pending.items(), setup.blender.extend(list(pending.values()))):
             results[key]["answer"], _ = answer_text(tok, [*ext.feed, *out.output], setup.stop_ids)
@@ -412,9 +436,11 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
     def blended(key: str, run: PolicyRun, pol: selection.SelectionConfig) -> None:
         report = run.report
         results[key] = {
-            "ttft_s": run.ttft_s, "flop_fraction": metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
+            "ttft_s": run.ttft_s,
+            "flop_fraction": metrics.recompute_flop_fraction(cfg, report.recomputed, n, run.qkv_checks),
             "recall_vs_oracle": _recall_vs_oracle(prompt, pol.recompute_ratio, ref, report.recomputed),
-            "phases": {"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}}, "answer": ref.answer,
+            "phases": {"load_s": report.load_s, **{f"{k}_s": v for k, v in report.phases.items()}},
+            "answer": ref.answer,
         }
         scoring.append((key, run))
         if len(scoring) >= config.eval.decode_batch:
@@ -423,7 +449,7 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
     traced: list[tuple[str, selection.SelectionConfig]] = []
     together: dict[float, list[tuple[str, selection.SelectionConfig]]] = {}  # sweep points batched per ratio
     done: dict[selection.SelectionConfig | str, str] = {}  # a sweep point at the run's ratio is the policy's own run
-    for key, name, pol in runs:
+    for key, _name, pol in runs:
         if pol in done:
             results[key] = results[done[pol]]
             continue
@@ -461,7 +487,9 @@ def evaluate_prompt(setup: Setup, example: RagExample, runs: Sequence[tuple[str,
     return results
 
 
-def train_learned(setup: Setup, config: ml_collections.ConfigDict, sel_cfg: selection.SelectionConfig) -> tuple[tuple[float, ...], dict]:
+def train_learned(
+    setup: Setup, config: ml_collections.ConfigDict, sel_cfg: selection.SelectionConfig
+) -> tuple[tuple[float, ...], dict]:
     """Trains the learned scorer on the training prompts (features of a single-check run,
     oracle labels at the run's ratio); returns its parameters and the training-set recall of
     the learned and hand-made rules (top-k of each score vs the oracle's tokens)."""
@@ -472,11 +500,17 @@ def train_learned(setup: Setup, config: ml_collections.ConfigDict, sel_cfg: sele
         for chunk in prompt.chunks:
             setup.store.put(chunk)
         n = prompt.roles.num_tokens
-        exact = setup.blender.run(prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=config.eval.num_probes).trace
-        reused = setup.blender.run(prompt, dataclasses.replace(sel_cfg, selector="none"), num_probes=config.eval.num_probes).trace
+        exact = setup.blender.run(
+            prompt, dataclasses.replace(sel_cfg, selector="all"), num_probes=config.eval.num_probes
+        ).trace
+        reused = setup.blender.run(
+            prompt, dataclasses.replace(sel_cfg, selector="none"), num_probes=config.eval.num_probes
+        ).trace
         devs.append(metrics.kv_deviation(np.asarray(reused["k"])[:, :n], np.asarray(reused["v"])[:, :n],
                                          np.asarray(exact["k"])[:, :n], np.asarray(exact["v"])[:, :n]))
-        features.append(np.asarray(setup.blender.run(prompt, single, num_probes=config.eval.num_probes).trace["features"])[:n])
+        features.append(
+            np.asarray(setup.blender.run(prompt, single, num_probes=config.eval.num_probes).trace["features"])[:n]
+        )
         roles.append(prompt.roles)
     data = scorer.training_set(roles, features, devs, sel_cfg.recompute_ratio)
     weights = scorer.train_scorer(data, hidden=config.learned.hidden, steps=config.learned.steps,
@@ -496,12 +530,18 @@ def controller_table(config: ml_collections.ConfigDict, setup: Setup, workdir: p
     read through ``config.controller``'s throttles, the blended layer step's recompute cost at
     ``num_tokens`` tokens) and its per-tier decisions."""
     c = config.controller
-    throttles = {"host": TierThrottle(c.host_read_gbps, c.host_latency_ms), "disk": TierThrottle(c.disk_read_gbps, c.disk_latency_ms)}
+    throttles = {
+        "host": TierThrottle(c.host_read_gbps, c.host_latency_ms),
+        "disk": TierThrottle(c.disk_read_gbps, c.disk_latency_ms),
+    }
     engine = setup.engine
     cost = loading_controller.measure_recompute(engine.model.params, engine.model.config, engine.layout, num_tokens,
                                                 attn_impl=config.runtime.attn_impl)
     tiers = [loading_controller.TierSpec("device", float("inf"), 0.0, cost_rank=2)]
-    tiers += [loading_controller.measure_tier(engine.layout, name, throttles[name], num_tokens, str(workdir)) for name in ("host", "disk")]
+    tiers += [
+        loading_controller.measure_tier(engine.layout, name, throttles[name], num_tokens, str(workdir))
+        for name in ("host", "disk")
+    ]
     controller = loading_controller.LoadingController(
         tiers, cost.seconds_per_token_layer, engine.layout.bytes_per_token_layer, c.min_ratio, cost.fixed_s, c.headroom
     )
@@ -531,7 +571,9 @@ def speed_row(per_prompt: list[dict], full: list[dict], nboot: int, seed: int) -
     and the time fraction (its inverse)."""
     t = np.asarray([p["ttft_s"] for p in per_prompt])
     f = np.asarray([p["ttft_s"] for p in full])
-    speedup, lo, hi = metrics.bootstrap_statistic((f, t), lambda a, b: a.mean(axis=-1) / b.mean(axis=-1), num=nboot, seed=seed)
+    speedup, lo, hi = metrics.bootstrap_statistic(
+        (f, t), lambda a, b: a.mean(axis=-1) / b.mean(axis=-1), num=nboot, seed=seed
+    )
     return {"ttft_mean_s": float(t.mean()), "ttft_median_s": float(np.median(t)), "speedup": speedup, "speedup_lo": lo,
             "speedup_hi": hi, "time_fraction": float(t.mean() / f.mean())}
 
@@ -543,7 +585,9 @@ differ by float rounding far below these (KL ~1e-11)."""
 DEFAULT_TOLERANCE = 1e-3
 
 
-def paired_rows(per_policy: dict[str, list[dict]], baseline: str, keys: tuple[str, ...], nboot: int, seed: int) -> list[dict]:
+def paired_rows(
+    per_policy: dict[str, list[dict]], baseline: str, keys: tuple[str, ...], nboot: int, seed: int
+) -> list[dict]:
     """Per-prompt differences policy minus ``baseline`` with paired bootstrap intervals;
     ``significant``: the interval excludes 0 and the difference exceeds the metric's
     ``TOLERANCE`` in magnitude."""
@@ -553,11 +597,22 @@ def paired_rows(per_policy: dict[str, list[dict]], baseline: str, keys: tuple[st
             continue
         for key in keys:
             if key in results[0]:
-                mean, lo, hi = metrics.paired_bootstrap_ci([p[key] for p in results], [p[key] for p in per_policy[baseline]],
-                                                           num=nboot, seed=seed)
+                mean, lo, hi = metrics.paired_bootstrap_ci(
+                    [p[key] for p in results], [p[key] for p in per_policy[baseline]], num=nboot, seed=seed
+                )
                 tol = TOLERANCE.get(key, DEFAULT_TOLERANCE)
-                rows.append({"policy": name, "metric": key, "baseline": baseline, "difference": mean, "lo": lo, "hi": hi,
-                             "tolerance": tol, "significant": bool((lo > 0 or hi < 0) and abs(mean) > tol)})
+                rows.append(
+                    {
+                        "policy": name,
+                        "metric": key,
+                        "baseline": baseline,
+                        "difference": mean,
+                        "lo": lo,
+                        "hi": hi,
+                        "tolerance": tol,
+                        "significant": bool((lo > 0 or hi < 0) and abs(mean) > tol),
+                    }
+                )
     return rows
 
 
@@ -624,7 +679,7 @@ def ratio_at_goal(ratios: Sequence[float], scores: np.ndarray, reuse: np.ndarray
     reached = y >= g[..., None] - 1e-12
     first = np.argmax(reached, axis=-1)
     prev = np.maximum(first - 1, 0)
-    take = lambda a, i: np.take_along_axis(a, i[..., None], axis=-1)[..., 0]  # noqa: E731
+    take = lambda a, i: np.take_along_axis(a, i[..., None], axis=-1)[..., 0]
     y0, y1 = take(y, prev), take(y, first)
     with np.errstate(divide="ignore", invalid="ignore"):
         frac = np.where(y1 > y0, (g - y0) / (y1 - y0), 1.0)
@@ -659,7 +714,9 @@ def budget_rows(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str
             full = np.asarray([q[key] for q in per_policy["full_recompute"][:p]])
             row = {"policy": name, "metric": key, "prompts": p}
             for label, share in [*((f"{round(100 * t)}%", t) for t in RECOVERED), (f"{RELATIVE_DROP:.0%} drop", None)]:
-                ratio = float(ratio_at_goal(ratios, scores, reuse, full, goal(key, reuse.mean(), full.mean(), recovered=share)))
+                ratio = float(
+                    ratio_at_goal(ratios, scores, reuse, full, goal(key, reuse.mean(), full.mean(), recovered=share))
+                )
                 boot = ratio_at_goal(ratios, scores[:, idx].transpose(1, 0, 2), reuse[idx], full[idx],
                                      goal(key, reuse[idx].mean(-1), full[idx].mean(-1), recovered=share))
                 lo, hi = np.nanquantile(boot, [0.025, 0.975]) if np.isfinite(boot).any() else (np.nan, np.nan)
@@ -670,7 +727,31 @@ def budget_rows(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str
     return rows
 
 
-__all__ = ["GOLD_KEYS", "LIKELIHOOD", "RECOVERED", "RELATIVE_DROP", "Reference", "Setup", "TOLERANCE", "TimingLog",
-           "answer_tokens", "budget_rows", "build", "check_disjoint", "ci_row", "controller_table", "evaluate_prompt",
-           "goal", "paired_rows", "ratio_at_goal", "recovery", "reference", "selection_config", "speed_row",
-           "split_long_chunks", "timed", "train_learned", "workload_examples"]
+__all__ = [
+    "GOLD_KEYS",
+    "LIKELIHOOD",
+    "RECOVERED",
+    "RELATIVE_DROP",
+    "TOLERANCE",
+    "Reference",
+    "Setup",
+    "TimingLog",
+    "answer_tokens",
+    "budget_rows",
+    "build",
+    "check_disjoint",
+    "ci_row",
+    "controller_table",
+    "evaluate_prompt",
+    "goal",
+    "paired_rows",
+    "ratio_at_goal",
+    "recovery",
+    "reference",
+    "selection_config",
+    "speed_row",
+    "split_long_chunks",
+    "timed",
+    "train_learned",
+    "workload_examples",
+]

@@ -24,7 +24,7 @@ import numpy as np
 from kvjax import metrics
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 CDF_LAYERS = (1, 4, 10, 20)
 _SIZE = (5.5, 3.6)
@@ -49,14 +49,18 @@ def policy_quality(path: pathlib.Path, rows: list[dict], ratio: float) -> None:
     _save(fig, path)
 
 
-def quality_vs_ratio(path: pathlib.Path, sweep_rows: list[dict], key: str, label: str, references: dict[str, float]) -> None:
+def quality_vs_ratio(
+    path: pathlib.Path, sweep_rows: list[dict], key: str, label: str, references: dict[str, float]
+) -> None:
     """``key`` vs recompute ratio per selector with 95% bands; ``references``: horizontal lines."""
     fig, ax = plt.subplots(figsize=_SIZE)
     for name in dict.fromkeys(r["policy"] for r in sweep_rows):
         rows = sorted((r for r in sweep_rows if r["policy"] == name), key=lambda r: r["ratio"])
         x = [100 * r["ratio"] for r in rows]
         (line,) = ax.plot(x, [r[key] for r in rows], marker="o", ms=3, label=name)
-        ax.fill_between(x, [r[f"{key}_lo"] for r in rows], [r[f"{key}_hi"] for r in rows], color=line.get_color(), alpha=0.12)
+        ax.fill_between(
+            x, [r[f"{key}_lo"] for r in rows], [r[f"{key}_hi"] for r in rows], color=line.get_color(), alpha=0.12
+        )
     for name, value in references.items():
         ax.axhline(value, ls="--", lw=1, color="gray" if name == "full_recompute" else "black", label=name)
     ratios = sorted({100 * r["ratio"] for r in sweep_rows})

@@ -25,7 +25,15 @@ import numpy as np
 from experiments import cacheblend_plots as plots
 from experiments import report
 from experiments.cacheblend_eval import (
-    GOLD_KEYS, LIKELIHOOD, RECOVERED, RELATIVE_DROP, budget_rows, ci_row, paired_rows, recovery, speed_row,
+    GOLD_KEYS,
+    LIKELIHOOD,
+    RECOVERED,
+    RELATIVE_DROP,
+    budget_rows,
+    ci_row,
+    paired_rows,
+    recovery,
+    speed_row,
 )
 from experiments.policies import POLICIES
 
@@ -65,9 +73,11 @@ def _significance(paired: list[dict], key: str) -> str:
                  if r["significant"] and r["difference"] > 0]
         same = [r["policy"] for r in rows if not r["significant"]]
         tol = rows[0]["tolerance"] if rows else 0.0
-        lines.append(f"- vs {baseline.replace('_', ' ')} ({key}, paired 95% CI, tolerance {tol:g}): significantly lower: "
-                     f"{', '.join(below) or 'none'}; significantly higher: {', '.join(above) or 'none'}; "
-                     f"not significantly different: {', '.join(same) or 'none'}.")
+        lines.append(
+            f"- vs {baseline.replace('_', ' ')} ({key}, paired 95% CI, tolerance {tol:g}): significantly lower: "
+            f"{', '.join(below) or 'none'}; significantly higher: {', '.join(above) or 'none'}; "
+            f"not significantly different: {', '.join(same) or 'none'}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -114,7 +124,9 @@ def _fixed_cost(per_policy: dict[str, list[dict]]) -> dict:
     runs = per_policy.get("full_reuse")
     if not runs:
         return {}
-    parts = {k.removesuffix("_s") + "_ms": 1e3 * float(np.mean([p["phases"].get(k, 0.0) for p in runs])) for k in PHASES}
+    parts = {
+        k.removesuffix("_s") + "_ms": 1e3 * float(np.mean([p["phases"].get(k, 0.0) for p in runs])) for k in PHASES
+    }
     ttft = 1e3 * float(np.mean([p["ttft_s"] for p in runs]))
     return {"ttft_ms": ttft, **parts, "engine_step_ms": ttft - sum(parts.values())}
 
@@ -145,7 +157,9 @@ def write_folder(workdir: pathlib.Path) -> dict:
             raise FileNotFoundError(f"{workdir} holds no CacheBlend run: {name} is missing")
     config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
     state = json.loads((workdir / STATE).read_text())
-    records = sorted((r for r in read_lines(workdir / RECORDS) if r["index"] < config.num_prompts), key=lambda r: r["index"])
+    records = sorted(
+        (r for r in read_lines(workdir / RECORDS) if r["index"] < config.num_prompts), key=lambda r: r["index"]
+    )
     if not records:
         raise ValueError(f"{workdir} holds no scored prompt yet ({RECORDS} is empty)")
     devs = [np.load(workdir / DEVIATIONS / f"{r['index']:05d}.npy").astype(np.float32) for r in records]
@@ -177,8 +191,12 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
     sweep_results = {}
     for name in config.sweep.policies:
         for r in config.sweep.ratios:
-            sweep_results[(name, r)] = [rec["runs"][f"{name}@{r:g}"] for rec in records if f"{name}@{r:g}" in rec["runs"]]
-    log = {k: sum(p["timing"][k] for p in pieces) for k in ("timed_runs", "warmup_runs", "warmup_s", "compiles_in_timed")}
+            sweep_results[(name, r)] = [
+                rec["runs"][f"{name}@{r:g}"] for rec in records if f"{name}@{r:g}" in rec["runs"]
+            ]
+    log = {
+        k: sum(p["timing"][k] for p in pieces) for k in ("timed_runs", "warmup_runs", "warmup_s", "compiles_in_timed")
+    }
     compiled = {k: sum(p[k] for p in pieces) for k in ("compile_s", "programs", "backend_compiles")}
     elapsed = sum(p["seconds"] for p in pieces)
     full = per_policy["full_recompute"]
@@ -200,8 +218,11 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
               + paired_rows(per_policy, "full_reuse", (*gold_keys, "kl", "top1"), nboot, seed))
     report.write_csv(workdir / "paired.csv", paired)
     headlines = [h for h in (recovery(per_policy, nboot, seed, key) for key in (LIKELIHOOD, "gold")) if h]
-    sweep_rows = [ci_row(name, results, nboot, seed, ratio=r, ttft_mean_s=float(np.mean([p["ttft_s"] for p in results])))
-                  for (name, r), results in sweep_results.items() if results]
+    sweep_rows = [
+        ci_row(name, results, nboot, seed, ratio=r, ttft_mean_s=float(np.mean([p["ttft_s"] for p in results])))
+        for (name, r), results in sweep_results.items()
+        if results
+    ]
     budgets = budget_rows(sweep_results, per_policy, nboot, seed)
     modelled = any(p.get("ttft_modelled") for results in sweep_results.values() for p in results)
     if sweep_rows:
@@ -210,41 +231,66 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
         for key, label in ((LIKELIHOOD, "gold-answer log-likelihood, nats/token"), ("gold", "gold score")):
             if key in rows[0]:
                 means = {r["policy"]: r[key] for r in rows if r["policy"] in ("full_recompute", "full_reuse")}
-                plots.quality_vs_ratio(workdir / f"{key}_vs_ratio.png", sweep_rows, key, f"{label} (95% CI band)", means)
-        plots.quality_vs_ratio(workdir / "kl_vs_ratio.png", sweep_rows, "kl", "KL from full recompute, nats (95% CI band)", {})
-    for key, suffix, ylabel in ((LIKELIHOOD, "", "gold-answer log-likelihood (nats/token)"), ("gold", "_gold", "gold score")):
+                plots.quality_vs_ratio(
+                    workdir / f"{key}_vs_ratio.png", sweep_rows, key, f"{label} (95% CI band)", means
+                )
+        plots.quality_vs_ratio(
+            workdir / "kl_vs_ratio.png", sweep_rows, "kl", "KL from full recompute, nats (95% CI band)", {}
+        )
+    for key, suffix, ylabel in (
+        (LIKELIHOOD, "", "gold-answer log-likelihood (nats/token)"),
+        ("gold", "_gold", "gold score"),
+    ):
         if key in rows[0]:
-            plots.pareto(workdir / f"pareto_ttft{suffix}.png", rows, sweep_rows, "ttft_mean_s", "mean TTFT (s)", key, ylabel,
-                         budgets)
+            plots.pareto(
+                workdir / f"pareto_ttft{suffix}.png",
+                rows,
+                sweep_rows,
+                "ttft_mean_s",
+                "mean TTFT (s)",
+                key,
+                ylabel,
+                budgets,
+            )
     if LIKELIHOOD in rows[0]:
         plots.pareto(workdir / "pareto_flops.png", rows, sweep_rows, "flop_fraction", "FLOP fraction of full recompute",
                      LIKELIHOOD, "gold-answer log-likelihood (nats/token)")
     plots.policy_quality(workdir / "policy_quality.png", rows, ratio)
     dev_stats = plots.deviation_figures(workdir, devs)
-    plots.deviation_by_layer(workdir / "kv_deviation_by_layer.png", per_policy, ("full_reuse", "cacheblend", "query_aware", "random"))
+    plots.deviation_by_layer(
+        workdir / "kv_deviation_by_layer.png", per_policy, ("full_reuse", "cacheblend", "query_aware", "random")
+    )
 
-    times = {k: float(np.sum([r["time"][k] for r in records])) for k in records[0]["time"] if k not in ("rss_gb", "mappings")}
+    times = {
+        k: float(np.sum([r["time"][k] for r in records])) for k in records[0]["time"] if k not in ("rss_gb", "mappings")
+    }
     rss = [r["time"]["rss_gb"] for r in records]
     per_hour = 3600.0 * len(records) / times["wall_s"]
     time_text = (
         f"{len(records)} prompts scored in {times['wall_s']:.0f} s of prompt loops over {len(pieces)} pieces "
-        f"(below), {times['wall_s'] / len(records):.1f} s per prompt = **{per_hour:.0f} prompts per hour** on this machine "
+        f"(below), {times['wall_s'] / len(records):.1f} s per prompt = **{per_hour:.0f} prompts per hour** on this "
+        f"machine "
         f"(compiles included). Where it went (sums over prompts): compile {times['compile_s']:.0f} s "
         f"({times['programs']:.0f} programs traced), ordinary prefills {times['prefill_s']:.0f} s, blended prefills "
-        f"{times['blend_s']:.0f} s, decode {times['decode_s']:.0f} s, page ops {times['page_ops_s']:.1f} s, host (the rest) "
+        f"{times['blend_s']:.0f} s, decode {times['decode_s']:.0f} s, page ops {times['page_ops_s']:.1f} s, host (the "
+        f"rest) "
         f"{times['host_s']:.0f} s; prefill and decode times include the compiles that happened in them. Resident "
         f"memory after each prompt: first {rss[0]:.2f} GB, last {rss[-1]:.2f} GB, peak {max(rss):.2f} GB.\n\n"
         f"Compilation, apart from every timed figure: {compiled['compile_s']:.1f} s over the whole run "
-        f"({compiled['programs']} programs traced, {compiled['backend_compiles']} compiled by the backend, the rest from "
+        f"({compiled['programs']} programs traced, {compiled['backend_compiles']} compiled by the backend, the rest "
+        f"from "
         f"the compilation cache). {log['warmup_runs']} prefills compiled and were run again before being timed "
-        f"({log['warmup_s']:.1f} s); {log['timed_runs']} timed prefills, {log['compiles_in_timed']} compilations inside "
+        f"({log['warmup_s']:.1f} s); {log['timed_runs']} timed prefills, {log['compiles_in_timed']} compilations "
+        f"inside "
         f"them. Run time {elapsed:.0f} s.\n\nPieces (each a process; matmul: jitted f32 2048^3, copy: a 256 MiB array, "
         f"read + written):\n\n" + _pieces_text(pieces)
     )
     w = config.workload
-    what = {"squad_multidoc": f"SQuAD `{w.source}` eval split, gold + up to {w.num_distractors} distractor paragraphs",
-            "needle_haystack": f"needle in a haystack ({', '.join(w.niah_tasks)}), chunks {tuple(w.chunk_range)} tokens",
-            "synthetic": f"synthetic ({', '.join(w.tasks)}), chunks {tuple(w.num_chunks)} x {tuple(w.chunk_tokens)}"}[w.name]
+    what = {
+        "squad_multidoc": f"SQuAD `{w.source}` eval split, gold + up to {w.num_distractors} distractor paragraphs",
+        "needle_haystack": f"needle in a haystack ({', '.join(w.niah_tasks)}), chunks {tuple(w.chunk_range)} tokens",
+        "synthetic": f"synthetic ({', '.join(w.tasks)}), chunks {tuple(w.num_chunks)} x {tuple(w.chunk_tokens)}",
+    }[w.name]
     split_note = (f" {meta['num_split_chunks']} chunks longer than {meta['max_chunk_tokens']} tokens (the longest a "
                   "chunk may be to stay whole in the smallest attention window) were split into pieces stored alone."
                   if meta["num_split_chunks"] else "")
@@ -252,61 +298,106 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
     head += _budget_headline(budgets)
     learned_text = "(not run)\n"
     if learned:
-        learned_text = (f"trained on {learned['train_prompts']} training-split prompts ({learned['train_tokens']} chunk tokens), "
-                        "disjoint from the evaluation prompts (checked). Training-set recall of the oracle's tokens by the "
-                        "top-k of each score:\n\n" + report.markdown_table([learned["train_recall"]]))
+        learned_text = (
+            f"trained on {learned['train_prompts']} training-split prompts ({learned['train_tokens']} chunk tokens), "
+            "disjoint from the evaluation prompts (checked). Training-set recall of the oracle's tokens by the "
+            "top-k of each score:\n\n" + report.markdown_table([learned["train_recall"]])
+        )
     speed_cols = ("policy", "ttft_mean_s", "ttft_median_s", "speedup", "time_fraction", "flop_fraction", "time_bound",
                   "within_bound")
-    speed_text = (report.markdown_table(
-        [{**{k: r.get(k) for k in speed_cols}, "speedup": _with_ci(r, "speedup")} for r in rows], speed_cols)
+    speed_text = (
+        report.markdown_table(
+            [{**{k: r.get(k) for k in speed_cols}, "speedup": _with_ci(r, "speedup")} for r in rows], speed_cols
+        )
         + f"\nspeedup = full recompute's total TTFT over the policy's on the same prompts (bootstrap 95% CI); time "
-          f"fraction = its inverse; bound = {TIME_SLACK} x FLOP fraction + the fixed cost ({fixed_fraction:.3f} of full "
-          f"recompute's TTFT: full reuse's time fraction minus its FLOP fraction). Full reuse's TTFT by part, ms:\n\n"
-        + (report.markdown_table([fixed]) if fixed else "(full reuse not run)\n"))
+        f"fraction = its inverse; bound = {TIME_SLACK} x FLOP fraction + the fixed cost ({fixed_fraction:.3f} of full "
+        f"recompute's TTFT: full reuse's time fraction minus its FLOP fraction). Full reuse's TTFT by part, ms:\n\n"
+        + (report.markdown_table([fixed]) if fixed else "(full reuse not run)\n")
+    )
     sections = [
-        ("Setup", f"model `{config.model}`, workload: {what}; {len(records)} prompts, mean {n_mean:.0f} tokens; store "
-                  f"variant `{config.store.variant}`; recompute ratio {ratio:.4g} (requested "
-                  f"{config.policy.recompute_ratio!r}); checks {tuple(config.policy.check_layers)} budgets "
-                  f"{tuple(config.policy.budgets)}; "
-                  f"N={config.eval.continuation_tokens}, answers of up to {config.eval.max_answer_tokens} tokens; backend "
-                  f"{', '.join(sorted({p['machine']['backend'] for p in pieces})) or 'unknown'}.{split_note}\n"),
+        (
+            "Setup",
+            f"model `{config.model}`, workload: {what}; {len(records)} prompts, mean {n_mean:.0f} tokens; store "
+            f"variant `{config.store.variant}`; recompute ratio {ratio:.4g} (requested "
+            f"{config.policy.recompute_ratio!r}); checks {tuple(config.policy.check_layers)} budgets "
+            f"{tuple(config.policy.budgets)}; "
+            f"N={config.eval.continuation_tokens}, answers of up to {config.eval.max_answer_tokens} tokens; backend "
+            f"{', '.join(sorted({p['machine']['backend'] for p in pieces})) or 'unknown'}.{split_note}\n",
+        ),
         ("Headline", head),
-        ("Policies (mean [95% bootstrap CI over prompts])",
-         report.markdown_table(_display(rows, (*quality, "flop_fraction"), ("policy", "recall_vs_oracle")))),
+        (
+            "Policies (mean [95% bootstrap CI over prompts])",
+            report.markdown_table(_display(rows, (*quality, "flop_fraction"), ("policy", "recall_vs_oracle"))),
+        ),
         ("Speed (TTFT of each policy's own prefill, no compilation inside)", speed_text),
-        ("Paired differences vs full recompute and vs full reuse (policy minus baseline, 95% CI)",
-         report.markdown_table(paired) if paired else "(none)\n"),
-        ("Recompute ratio each selector needs",
-         report.markdown_table(_display_budgets(budgets))
-         + f"\non the first {min(config.sweep.num_prompts, len(records))} prompts (the sweep's): the smallest ratio "
-         f"recovering {' and '.join(f'{t:.0%}' for t in RECOVERED)} of full reuse's loss, and the one within "
-         f"{RELATIVE_DROP:.0%} of full recompute (gold_ll: per-token probability), interpolated between sweep ratios "
-         "with full reuse at 0 and full recompute at 1 (bootstrap 95% CI over prompts; NaN: not even full recompute "
-         "reaches it in a resample), and the TTFT speedup over full recompute there."
-         + (" The sweep points of one ratio prefilled together (sweep.batched), so their TTFT is modelled: per prompt, "
-            "the least-squares line of the blended runs timed alone (TTFT against FLOP fraction) at each point's FLOP "
-            "fraction; the ratio column does not depend on it.\n" if modelled else "\n")
-         if budgets else "(no sweep)\n"),
-        ("Quality vs recompute ratio", report.markdown_table(_display(sweep_rows, quality, ("policy", "ratio", "ttft_mean_s")))
-         if sweep_rows else "(skipped)\n"),
+        (
+            "Paired differences vs full recompute and vs full reuse (policy minus baseline, 95% CI)",
+            report.markdown_table(paired) if paired else "(none)\n",
+        ),
+        (
+            "Recompute ratio each selector needs",
+            report.markdown_table(_display_budgets(budgets))
+            + f"\non the first {min(config.sweep.num_prompts, len(records))} prompts (the sweep's): the smallest ratio "
+            f"recovering {' and '.join(f'{t:.0%}' for t in RECOVERED)} of full reuse's loss, and the one within "
+            f"{RELATIVE_DROP:.0%} of full recompute (gold_ll: per-token probability), interpolated between sweep "
+            f"ratios "
+            "with full reuse at 0 and full recompute at 1 (bootstrap 95% CI over prompts; NaN: not even full recompute "
+            "reaches it in a resample), and the TTFT speedup over full recompute there."
+            + (
+                " The sweep points of one ratio prefilled together (sweep.batched), so their TTFT is modelled: per "
+                "prompt, "
+                "the least-squares line of the blended runs timed alone (TTFT against FLOP fraction) at each point's "
+                "FLOP "
+                "fraction; the ratio column does not depend on it.\n"
+                if modelled
+                else "\n"
+            )
+            if budgets
+            else "(no sweep)\n",
+        ),
+        (
+            "Quality vs recompute ratio",
+            report.markdown_table(_display(sweep_rows, quality, ("policy", "ratio", "ttft_mean_s")))
+            if sweep_rows
+            else "(skipped)\n",
+        ),
         ("Time", time_text),
         ("Learned selector", learned_text),
-        ("Deviation structure", f"share of KV deviation held by the top 15% tokens, mean over layers: "
-                                f"{np.mean(dev_stats['top15_share_by_layer']):.3f}; adjacent-layer Spearman, mean: "
-                                f"{np.nanmean(dev_stats['adjacent_spearman_by_layer']):.3f}.\n"),
-        ("Loading controller", report.markdown_table(meta["tier_rows"])
-         + f"\nchosen at the min ratio: {meta['controller_choice']}\n"),
+        (
+            "Deviation structure",
+            f"share of KV deviation held by the top 15% tokens, mean over layers: "
+            f"{np.mean(dev_stats['top15_share_by_layer']):.3f}; adjacent-layer Spearman, mean: "
+            f"{np.nanmean(dev_stats['adjacent_spearman_by_layer']):.3f}.\n",
+        ),
+        (
+            "Loading controller",
+            report.markdown_table(meta["tier_rows"]) + f"\nchosen at the min ratio: {meta['controller_choice']}\n",
+        ),
         ("Figures", ", ".join(sorted(p.name for p in workdir.glob("*.png"))) + "\n"),
     ]
     done = f"{len(records)} of {config.num_prompts} prompts"
-    report.write_summary(workdir, f"CacheBlend selectors vs full recompute ({w.name}, {config.model}; {done})", sections)
+    report.write_summary(
+        workdir, f"CacheBlend selectors vs full recompute ({w.name}, {config.model}; {done})", sections
+    )
     return {
-        "policies": rows, "paired": paired, "headline": headlines, "sweep": sweep_rows, "budget": budgets,
+        "policies": rows,
+        "paired": paired,
+        "headline": headlines,
+        "sweep": sweep_rows,
+        "budget": budgets,
         "headline_text": f"{done}.\n{head}",
-        "learned": learned, "deviation": dev_stats, "controller": {"tiers": meta["tier_rows"]}, "ratio": ratio,
-        "fixed_cost_ms": fixed, "fixed_fraction": fixed_fraction, "time": {**times, "prompts_per_hour": per_hour, "rss_gb": rss},
-        "timing": {**log, **compiled}, "pieces": len(pieces),
-        "num_split_chunks": meta["num_split_chunks"], "num_prompts": len(records), "run_seconds": elapsed,
+        "learned": learned,
+        "deviation": dev_stats,
+        "controller": {"tiers": meta["tier_rows"]},
+        "ratio": ratio,
+        "fixed_cost_ms": fixed,
+        "fixed_fraction": fixed_fraction,
+        "time": {**times, "prompts_per_hour": per_hour, "rss_gb": rss},
+        "timing": {**log, **compiled},
+        "pieces": len(pieces),
+        "num_split_chunks": meta["num_split_chunks"],
+        "num_prompts": len(records),
+        "run_seconds": elapsed,
     }
 
 

@@ -36,7 +36,7 @@ from kvjax.manager import KVCacheManager
 from kvjax.manager.hashing import block_key, root_key
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
 
 def block_accesses(trace: Sequence[TraceRequest], tokens_per_block: int) -> Iterator[tuple[bytes, bool]]:
@@ -190,6 +190,8 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         ("Hit rates", "![hit rates](hit_rates.png)\n"),
     ]
     if engine_rows:
-        sections.append((f"Real engine ({config.model}) vs the same trace in the simulator", report.markdown_table(engine_rows)))
+        sections.append(
+            (f"Real engine ({config.model}) vs the same trace in the simulator", report.markdown_table(engine_rows))
+        )
     report.write_summary(workdir, "Eviction: priority-LRU vs LRU vs Belady", sections)
     return {"trace_requests": len(trace), "simulation": rows, "engine": engine_rows}

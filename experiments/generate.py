@@ -19,12 +19,18 @@ from kvjax.sampling import SamplingParams
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     model = load_model(config.model, config.gguf_path or None, config.param_dtype or None)
     tok = model.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": config.prompt}]) if config.chat and tok.chat_format else config.prompt
+    text = (
+        tok.apply_chat_template([{"role": "user", "content": config.prompt}])
+        if config.chat and tok.chat_format
+        else config.prompt
+    )
     prompt = tok.encode(text)
     sampling = SamplingParams(
         max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p, seed=config.seed
     )
-    engine = Engine(model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(), max_seq_len=config.max_seq_len)
+    engine = Engine(
+        model, KvCacheConfig(**config.kv_cache.to_dict()), SchedulerConfig(), max_seq_len=config.max_seq_len
+    )
     engine.generate([prompt], sampling)  # warm-up: compiles the prefill and decode buckets
     rows = []
     for i in tqdm(range(config.repeats), desc="generate"):
@@ -56,9 +62,23 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         "kv_cache_bytes": size.cache_bytes,
         "kv_cache_limited_by": size.limited_by,
     }
-    report.write_summary(workdir, f"generate — {config.model}", [
-        ("Output", f"Prompt: {config.prompt!r}\n\n> {text_out}\n"),
-        ("Speed (this machine)", report.markdown_table(rows)),
-        ("KV cache", report.markdown_table([{k: results[k] for k in ("kv_bytes_per_token", "kv_cache_tokens", "kv_cache_bytes", "kv_cache_limited_by")}])),
-    ])
+    report.write_summary(
+        workdir,
+        f"generate — {config.model}",
+        [
+            ("Output", f"Prompt: {config.prompt!r}\n\n> {text_out}\n"),
+            ("Speed (this machine)", report.markdown_table(rows)),
+            (
+                "KV cache",
+                report.markdown_table(
+                    [
+                        {
+                            k: results[k]
+                            for k in ("kv_bytes_per_token", "kv_cache_tokens", "kv_cache_bytes", "kv_cache_limited_by")
+                        }
+                    ]
+                ),
+            ),
+        ],
+    )
     return results

@@ -26,8 +26,15 @@ from kvjax.testing.tiny import init_params, tiny_config
 def hybrid_model(config: ml_collections.ConfigDict) -> Model:
     m = config.model
     cfg = tiny_config(
-        name="hybrid-random", vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers, num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, ffn_dim=m.ffn_dim, max_seq_len=config.max_seq_len,
+        name="hybrid-random",
+        vocab_size=m.vocab_size,
+        d_model=m.d_model,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        ffn_dim=m.ffn_dim,
+        max_seq_len=config.max_seq_len,
         layer_types=tuple(m.layer_types),
     )
     return Model(config=cfg, params=init_params(cfg, config.seed), tokenizer=None, path=pathlib.Path("hybrid-random"))
@@ -54,7 +61,11 @@ class AttentionMatch:
 
 
 def run_cell(
-    model: Model, config: ml_collections.ConfigDict, kv: KvCacheConfig, openings: list[list[int]], users: list[list[list[int]]]
+    model: Model,
+    config: ml_collections.ConfigDict,
+    kv: KvCacheConfig,
+    openings: list[list[int]],
+    users: list[list[list[int]]],
 ) -> tuple[dict, list[dict]]:
     """Serves the trace on a fresh engine; returns the cell's totals and its per-turn rows."""
     scheduler = SchedulerConfig(**config.scheduler.to_dict())
@@ -71,8 +82,15 @@ def run_cell(
             attention.add(h)
         outs = engine.generate(histories, sampling)
         for c, (out, match) in enumerate(zip(outs, matches)):
-            rows.append(dict(turn=turn + 1, conversation=c, prompt_tokens=len(out.prompt), reused_tokens=out.num_reused_tokens,
-                             attention_match_tokens=match))
+            rows.append(
+                dict(
+                    turn=turn + 1,
+                    conversation=c,
+                    prompt_tokens=len(out.prompt),
+                    reused_tokens=out.num_reused_tokens,
+                    attention_match_tokens=match,
+                )
+            )
             attention.add(out.prompt + out.output[:-1])
         peak_snapshots = max(peak_snapshots, engine.recurrent.index.num_snapshots)
         histories = [h + out.output + users[c][turn] for c, (h, out) in enumerate(zip(histories, outs))]

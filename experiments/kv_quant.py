@@ -116,13 +116,16 @@ def quality_rows(
     Returns:
       (summary rows per variant with bootstrap intervals over prompts, per-prompt rows).
     """
-    layout = lambda d, g: sequence_layout(model, d, g, max_seq_len, config.tokens_per_block)  # noqa: E731
+    layout = lambda d, g: sequence_layout(model, d, g, max_seq_len, config.tokens_per_block)
     per_prompt: list[dict] = []
     for i, prompt in enumerate(tqdm(prompts, desc=f"{part} {model.config.name}", unit="prompt")):
-        ref_logits, ref_tokens = continuation_logits(model, layout(*REFERENCE), prompt, None, num, config.attn_impl, padded)
+        ref_logits, ref_tokens = continuation_logits(
+            model, layout(*REFERENCE), prompt, None, num, config.attn_impl, padded
+        )
         for dtype, granularity in variants(config):
-            logits, _ = continuation_logits(model, layout(dtype, granularity), prompt, ref_tokens, num, config.attn_impl,
-                                            padded)
+            logits, _ = continuation_logits(
+                model, layout(dtype, granularity), prompt, ref_tokens, num, config.attn_impl, padded
+            )
             agree = np.argmax(logits, axis=-1) == np.asarray(ref_tokens)
             per_prompt.append({
                 "model": model.config.name, "part": part, "prompt": i, "dtype": dtype, "scales": granularity,
@@ -158,7 +161,10 @@ def long_prompts(config: ml_collections.ConfigDict, model: Model) -> list[list[i
     c = config.long
     starts = [i * c.prompt_tokens for i in range(c.num_prompts)]
     if starts[-1] + c.prompt_tokens > len(ids):
-        raise ValueError(f"long.num_prompts={c.num_prompts} x long.prompt_tokens={c.prompt_tokens} exceed the text's {len(ids)} tokens")
+        raise ValueError(
+            f"long.num_prompts={c.num_prompts} x long.prompt_tokens={c.prompt_tokens} exceed the text's {len(ids)} "
+            f"tokens"
+        )
     bos = [model.tokenizer.bos_id] if model.tokenizer.add_bos else []
     return [bos + ids[s : s + c.prompt_tokens] for s in starts]
 
@@ -183,7 +189,9 @@ def blend_rows(config: ml_collections.ConfigDict, model: Model, prompts: list[Bl
                 selection = SelectionConfig(selector=selector, recompute_ratio=c.recompute_ratio,
                                             check_layers=tuple(c.check_layers), budgets=tuple(c.budgets))
                 reuse = ChunkReuse(store, prompt.roles.chunk_spans, selection, num_prompt_logits=len(prompt.suffix))
-                rid = engine.submit(prompt.tokens.tolist(), SamplingParams(max_new_tokens=1, ignore_eos=True), chunks=reuse)
+                rid = engine.submit(
+                    prompt.tokens.tolist(), SamplingParams(max_new_tokens=1, ignore_eos=True), chunks=reuse
+                )
                 engine.run()
                 out = engine.output(rid)
                 if out.error is not None:
@@ -194,7 +202,13 @@ def blend_rows(config: ml_collections.ConfigDict, model: Model, prompts: list[Bl
     for (dtype, granularity, policy), runs in logits.items():
         kl = [float(np.mean(metrics.kl_divergence(r, x))) for r, x in zip(reference, runs)]
         top1 = [float(np.mean(metrics.top1_agreement(r, x))) for r, x in zip(reference, runs)]
-        row = {"model": model.config.name, "policy": policy, "dtype": dtype, "scales": granularity, "prompts": len(runs)}
+        row = {
+            "model": model.config.name,
+            "policy": policy,
+            "dtype": dtype,
+            "scales": granularity,
+            "prompts": len(runs),
+        }
         for key, values in (("kl", kl), ("top1", top1)):
             ci = _ci(values, config)
             row |= {key: ci["mean"], f"{key}_lo": ci["lo"], f"{key}_hi": ci["hi"]}
@@ -255,11 +269,20 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
             speed += speed_rows(config, model)
             report.write_csv(workdir / "speed.csv", speed)
     sections = [
-        ("Quality vs float32 KV (mean [95% bootstrap CI over prompts]); divergence = first greedy token that differs",
-         report.markdown_table(quality)),
-        (f"CacheBlend {config.blend.recompute_ratio:.0%} on quantized vs float32 chunk KV (suffix positions, vs float32 full recompute)",
-         report.markdown_table(blend) if blend else "not run (windowed model, or not in parts)\n"),
-        ("Decode ms/token through the engine", report.markdown_table(speed) if speed else "not run (speed.models, parts)\n"),
+        (
+            "Quality vs float32 KV (mean [95% bootstrap CI over prompts]); divergence = first greedy token that "
+            "differs",
+            report.markdown_table(quality),
+        ),
+        (
+            f"CacheBlend {config.blend.recompute_ratio:.0%} on quantized vs float32 chunk KV (suffix positions, vs "
+            f"float32 full recompute)",
+            report.markdown_table(blend) if blend else "not run (windowed model, or not in parts)\n",
+        ),
+        (
+            "Decode ms/token through the engine",
+            report.markdown_table(speed) if speed else "not run (speed.models, parts)\n",
+        ),
     ]
     report.write_summary(workdir, "kv_quant — quantized KV cache", sections)
     return {"quality": quality, "blend": blend, "speed": speed, "device": jax.devices()[0].device_kind}

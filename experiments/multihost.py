@@ -36,6 +36,7 @@ import numpy as np
 
 from experiments import report
 
+
 def _engine(config: ml_collections.ConfigDict, mesh=None):
     """An engine over ``config.model`` whose pool (``config.num_pages`` pages, the null page
     included) splits over the mesh's ``pages`` axis; sharded over ``mesh`` if given."""
@@ -43,7 +44,9 @@ def _engine(config: ml_collections.ConfigDict, mesh=None):
     from kvjax.engine import Engine
     from kvjax.model.registry import load_model
 
-    kv = KvCacheConfig(tokens_per_block=config.tokens_per_block, max_tokens=(config.num_pages - 1) * config.tokens_per_block)
+    kv = KvCacheConfig(
+        tokens_per_block=config.tokens_per_block, max_tokens=(config.num_pages - 1) * config.tokens_per_block
+    )
     return Engine(load_model(config.model), kv, SchedulerConfig(max_num_tokens=256, prefill_chunk_size=256),
                   max_seq_len=config.prompt_tokens + config.new_tokens + config.tokens_per_block, mesh=mesh)
 
@@ -52,7 +55,9 @@ def generate(engine, config: ml_collections.ConfigDict) -> list[int]:
     """Greedy tokens of the config's prompt (random ids from ``config.seed``) through ``engine``."""
     from kvjax.sampling import SamplingParams
 
-    prompt = np.random.default_rng(config.seed).integers(3, engine.model.config.vocab_size, config.prompt_tokens).tolist()
+    prompt = (
+        np.random.default_rng(config.seed).integers(3, engine.model.config.vocab_size, config.prompt_tokens).tolist()
+    )
     [out] = engine.generate([prompt], SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True))
     return out.output
 
@@ -98,7 +103,7 @@ def launch(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> list[dic
            "JAX_PLATFORMS": "cpu"}
     procs, logs = [], []
     for i in range(config.num_processes):
-        log = open(workdir / f"process_{i}.log", "w")
+        log = open(workdir / f"process_{i}.log", "w")  # noqa: SIM115 (closed in the finally below, after the process ends)
         logs.append(log)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "experiments.multihost", f"--coordinator={coordinator}",
@@ -148,24 +153,36 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     rows = [{"process": r["process_id"], "mesh": str(r["mesh"]), "global_devices": r["global_devices"],
              "local_devices": r["local_devices"], "pool_spans_processes": r["pool_sharded"],
              "equal_to_one_device": r["tokens"] == reference} for r in results]
-    summary = {"reference_tokens": reference, "processes": results, "all_equal": all(r["equal_to_one_device"] for r in rows),
-               "wall_s": wall_s}
-    report.write_summary(workdir, f"multihost — {config.num_processes} processes x {config.devices_per_process} devices", [
-        ("Processes", report.markdown_table(rows)),
-        ("Tokens", f"one device: {reference}\n\nevery process equal: {summary['all_equal']} (wall {wall_s:.1f} s)"),
-    ])
+    summary = {
+        "reference_tokens": reference,
+        "processes": results,
+        "all_equal": all(r["equal_to_one_device"] for r in rows),
+        "wall_s": wall_s,
+    }
+    report.write_summary(
+        workdir,
+        f"multihost — {config.num_processes} processes x {config.devices_per_process} devices",
+        [
+            ("Processes", report.markdown_table(rows)),
+            ("Tokens", f"one device: {reference}\n\nevery process equal: {summary['all_equal']} (wall {wall_s:.1f} s)"),
+        ],
+    )
     if not summary["all_equal"]:
         raise RuntimeError(f"a process generated other tokens than one device: {results} vs {reference}")
     return summary
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="One process of a multi-process generation (see the module docstring).")
+    parser = argparse.ArgumentParser(
+        description="One process of a multi-process generation (see the module docstring)."
+    )
     parser.add_argument("--coordinator", required=True, help="host:port of process 0's coordination service")
     parser.add_argument("--num_processes", type=int, required=True)
     parser.add_argument("--process_id", type=int, required=True)
     parser.add_argument("--out", type=pathlib.Path, required=True, help="where this process writes its tokens (JSON)")
-    parser.add_argument("--config_json", default="", help="the experiment config as JSON (default: configs/multihost.py)")
+    parser.add_argument(
+        "--config_json", default="", help="the experiment config as JSON (default: configs/multihost.py)"
+    )
     args = parser.parse_args()
     from configs import multihost as multihost_config
 

@@ -24,12 +24,28 @@ from kvjax.blend.blender import FULL_RECOMPUTE
 from kvjax.blend.selection import SelectionConfig
 
 _SELECTOR = {
-    "prefix_caching": "prefix", "full_reuse": "none", "cacheblend": "cacheblend", "cacheblend_single": "cacheblend_single",
-    "epic": "epic", "query_aware": "query_aware", "query_aware_fused": "query_aware_fused", "learned": "learned",
-    "random": "random", "oracle": "oracle",
+    "prefix_caching": "prefix",
+    "full_reuse": "none",
+    "cacheblend": "cacheblend",
+    "cacheblend_single": "cacheblend_single",
+    "epic": "epic",
+    "query_aware": "query_aware",
+    "query_aware_fused": "query_aware_fused",
+    "learned": "learned",
+    "random": "random",
+    "oracle": "oracle",
 }
 POLICIES = ("full_recompute", *_SELECTOR)
-SELECTOR_POLICIES = ("cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "learned", "random", "oracle")
+SELECTOR_POLICIES = (
+    "cacheblend",
+    "cacheblend_single",
+    "epic",
+    "query_aware",
+    "query_aware_fused",
+    "learned",
+    "random",
+    "oracle",
+)
 """Policies that recompute a ratio of the chunk tokens (the quality-vs-ratio curves)."""
 
 

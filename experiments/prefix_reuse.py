@@ -30,7 +30,8 @@ from kvjax.engine import Engine
 from kvjax.model.registry import load_model
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
+
 
 def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     """TTFT per request, cold and warm bars side by side."""
@@ -38,7 +39,9 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["ttft_cold_s"] for r in rows], 0.4, label="cold (no reuse)")
     ax.bar(x + 0.2, [r["ttft_warm_s"] for r in rows], 0.4, label="warm (prefix reuse)")
-    ax.set_xticks(x, [f"{'S' if r['kind'] == 'shared-system' else 'C'}{r['group']}.{r['index']}" for r in rows], fontsize=7)
+    ax.set_xticks(
+        x, [f"{'S' if r['kind'] == 'shared-system' else 'C'}{r['group']}.{r['index']}" for r in rows], fontsize=7
+    )
     ax.set_xlabel("request (S = shared system prompt s.q, C = chat c.turn)")
     ax.set_ylabel("TTFT (s)")
     ax.set_title(title)

@@ -70,7 +70,8 @@ def step_args(layout: CacheLayout, row: str, context: int, vocab_size: int, seed
 
 def hlo_ops(hlo_text: str) -> dict[str, dict]:
     """Op name -> {"label", "flops", "rhs_bytes"} for each instruction of a compiled HLO
-    module (nested ones too, e.g. a fusion and the dot inside it): a fusion or call is labelled by the dot it contains (operand shapes), else by
+    module (nested ones too, e.g. a fusion and the dot inside it): a fusion or call is labelled by the dot it contains
+    (operand shapes), else by
     the most telling opcode of its body (gather, scatter, dynamic-update-slice, reduce)."""
     bodies: dict[str, list[tuple[str, str, str, str]]] = collections.defaultdict(list)
     insts: dict[str, tuple[str, str, str]] = {}
@@ -96,7 +97,11 @@ def hlo_ops(hlo_text: str) -> dict[str, dict]:
         if dot is not None:
             _, out, _, operands = dot
             lhs_name, rhs_name = re.findall(r"%([\w.\-]+)", operands.split(")")[0])[:2]
-            (lhs_type, lhs), (rhs_type, rhs), (_, out_dims) = _dims(shapes[lhs_name]), _dims(shapes[rhs_name]), _dims(out)
+            (lhs_type, lhs), (rhs_type, rhs), (_, out_dims) = (
+                _dims(shapes[lhs_name]),
+                _dims(shapes[rhs_name]),
+                _dims(out),
+            )
             contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", operands)
             k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
             ops[name] = {
@@ -106,7 +111,10 @@ def hlo_ops(hlo_text: str) -> dict[str, dict]:
             }
             continue
         opcodes = {i[2] for i in body}
-        kind = next((o for o in ("gather", "scatter", "dynamic-update-slice", "while", "sort", "reduce") if o in opcodes), opcode)
+        kind = next(
+            (o for o in ("gather", "scatter", "dynamic-update-slice", "while", "sort", "reduce") if o in opcodes),
+            opcode,
+        )
         ops[name] = {"label": kind, "flops": 0, "rhs_bytes": 0}
     return ops
 
@@ -143,7 +151,9 @@ def compile_row(engine: Engine, row: str, config: ml_collections.ConfigDict) -> 
     model = engine.model
     args = step_args(engine.layout, row, config.decode_context, model.config.vocab_size)
     static = dict(cfg=model.config, layout=engine.layout, logits_mode="last", attn_impl=config.attn_impl)
-    compiled = forward.lower(model.params, engine.pool, args.tokens, args.positions, args.block_tables, args.lengths, **static).compile()
+    compiled = forward.lower(
+        model.params, engine.pool, args.tokens, args.positions, args.block_tables, args.lengths, **static
+    ).compile()
     return args, compiled
 
 
@@ -179,11 +189,17 @@ def profile_row(
     for name, (ns, events) in op_times(trace_dir).items():
         info = labels.get(name, {"label": "(not in HLO)", "flops": 0, "rhs_bytes": 0})
         ms = ns / 1e6 / steps
-        ops.append({
-            "op": name, "label": info["label"], "flops": info["flops"], "events_per_step": events / steps, "cpu_ms_per_step": ms,
-            "gflops": info["flops"] / ms / 1e6 if ms and info["flops"] else 0.0,
-            "rhs_gb_s": info["rhs_bytes"] / ms / 1e6 if ms and info["rhs_bytes"] else 0.0,
-        })
+        ops.append(
+            {
+                "op": name,
+                "label": info["label"],
+                "flops": info["flops"],
+                "events_per_step": events / steps,
+                "cpu_ms_per_step": ms,
+                "gflops": info["flops"] / ms / 1e6 if ms and info["flops"] else 0.0,
+                "rhs_gb_s": info["rhs_bytes"] / ms / 1e6 if ms and info["rhs_bytes"] else 0.0,
+            }
+        )
     ops.sort(key=lambda o: -o["cpu_ms_per_step"])
     cpu = sum(o["cpu_ms_per_step"] for o in ops)
     for o in ops:
@@ -258,7 +274,9 @@ def _decode_via_partial(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, le
                         page_indices: jax.Array, **options) -> jax.Array:
     """Decode attention through the general blocked algorithm: one query row per sequence at
     position ``lengths - 1``."""
-    out = blocked.partial_attention(q[:, None], (lengths - 1)[:, None], k_pages, v_pages, lengths, page_indices, **options)
+    out = blocked.partial_attention(
+        q[:, None], (lengths - 1)[:, None], k_pages, v_pages, lengths, page_indices, **options
+    )
     return out[:, 0]
 
 
@@ -327,8 +345,14 @@ def components(engine: Engine, args: StepInputs, full: jax.stages.Compiled, row:
 
     rows, steps = args.tokens.shape
     q = jax.random.normal(jax.random.key(0), (rows, steps, cfg.num_heads, cfg.head_dim), model.params.embed.dtype)
-    attend = jax.jit(functools.partial(attention_only, cfg=cfg, layout=layout, attn_impl=config.attn_impl),
-                     donate_argnames="pool").lower(q, args.positions, engine.pool, args.block_tables, args.lengths).compile()
+    attend = (
+        jax.jit(
+            functools.partial(attention_only, cfg=cfg, layout=layout, attn_impl=config.attn_impl),
+            donate_argnames="pool",
+        )
+        .lower(q, args.positions, engine.pool, args.block_tables, args.lengths)
+        .compile()
+    )
     x = embed_tokens(model.params, cfg, args.tokens)
     products = jax.jit(products_only).lower(model.params, x).compile()
     last = x[:, -1]  # [S, D]: the head runs on one token per row, as with logits_mode="last"
@@ -384,7 +408,9 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         sections.append((f"{row}: ops grouped by label (CPU ms per step, summed over threads)",
                          report.markdown_table(grouped(ops)[: config.top_ops])))
     sections.insert(0, ("Rows (wall ms per forward; CPU ms summed over XLA threads)", report.markdown_table(rows)))
-    sections.insert(1, ("Components (wall ms per forward, each part run as its own program)", report.markdown_table(parts)))
+    sections.insert(
+        1, ("Components (wall ms per forward, each part run as its own program)", report.markdown_table(parts))
+    )
     sections.insert(2, ("Machine", report.markdown_table([limits])))
     if ab:
         sections.insert(2, ("Decode attention: the decode algorithm against the general one at T = 1 "

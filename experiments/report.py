@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +44,9 @@ def write_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> No
     write_json(workdir / "config.json", config.to_dict())
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, floatfmt: str = ".4g") -> str:
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, floatfmt: str = ".4g"
+) -> str:
     """Rows of dicts as a GitHub markdown table."""
     if not rows:
         return "(no rows)\n"
@@ -98,7 +100,9 @@ def gather(runs_dir: pathlib.Path, out: pathlib.Path) -> str:
         body = summary.read_text() if summary.is_file() else f"# {name}\n\n(no summary.md)\n"
         parts.append(re.sub(r"^(#+) ", r"#\1 ", body, flags=re.MULTILINE))
         for png in sorted(folder.glob("*.png")):
-            parts.append(f"\n![{name}: {png.stem}]({png.relative_to(out.parent) if png.is_relative_to(out.parent) else png})\n")
+            parts.append(
+                f"\n![{name}: {png.stem}]({png.relative_to(out.parent) if png.is_relative_to(out.parent) else png})\n"
+            )
     text = "".join(parts)
     out.write_text(text)
     return text

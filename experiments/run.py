@@ -23,7 +23,9 @@ from ml_collections import config_flags
 from experiments import report
 from kvjax.paths import cache_dir
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/<name>.py).", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file (configs/<name>.py).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder; default runs/<experiment>-<timestamp>.")
 
 

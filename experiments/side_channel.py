@@ -31,7 +31,7 @@ from kvjax.sampling import SamplingParams
 from kvjax.testing.tiny import tiny_model
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
 SETTINGS = {"shared": (None, None), "per-tenant": ("tenant-a", "tenant-b")}
 """Setting -> (victim cache_salt, attacker cache_salt)."""
@@ -89,7 +89,7 @@ def play(engine: Engine, victims: list[tuple[str | None, list[int]]], probes: li
 
 
 def auc(hits: np.ndarray, misses: np.ndarray) -> float:
-    """ROC AUC of flagging the faster probe as cached: the Mann–Whitney U over all (hit, miss)
+    """ROC AUC of flagging the faster probe as cached: the Mann-Whitney U over all (hit, miss)
     pairs, P(miss score > hit score) with ties counted half, divided by the number of pairs."""
     diff = misses[:, None] - hits[None, :]
     return float(np.mean(diff > 0) + 0.5 * np.mean(diff == 0))
@@ -102,11 +102,18 @@ def cell_summary(rows: list[dict], bootstrap: int, rng: np.random.Generator) -> 
     boot = [auc(rng.choice(t_hit, t_hit.size), rng.choice(t_miss, t_miss.size)) for _ in range(bootstrap)]
     reused_hit, reused_miss = (np.array([r["reused_tokens"] for r in rs], float) for rs in (hit, miss))
     return {
-        "setting": rows[0]["setting"], "secret_tokens": rows[0]["secret_tokens"], "probe_tokens": rows[0]["probe_tokens"],
-        "probes": len(rows), "auc": auc(t_hit, t_miss), "auc_ci_low": float(np.quantile(boot, 0.025)),
-        "auc_ci_high": float(np.quantile(boot, 0.975)), "median_ttft_hit_ms": float(np.median(t_hit)),
-        "median_ttft_miss_ms": float(np.median(t_miss)), "mean_reused_tokens_hit": float(reused_hit.mean()),
-        "mean_reused_tokens_miss": float(reused_miss.mean()), "max_reused_tokens": int(max(reused_hit.max(), reused_miss.max())),
+        "setting": rows[0]["setting"],
+        "secret_tokens": rows[0]["secret_tokens"],
+        "probe_tokens": rows[0]["probe_tokens"],
+        "probes": len(rows),
+        "auc": auc(t_hit, t_miss),
+        "auc_ci_low": float(np.quantile(boot, 0.025)),
+        "auc_ci_high": float(np.quantile(boot, 0.975)),
+        "median_ttft_hit_ms": float(np.median(t_hit)),
+        "median_ttft_miss_ms": float(np.median(t_miss)),
+        "mean_reused_tokens_hit": float(reused_hit.mean()),
+        "mean_reused_tokens_miss": float(reused_miss.mean()),
+        "max_reused_tokens": int(max(reused_hit.max(), reused_miss.max())),
         "reuse_auc": auc(-reused_hit, -reused_miss),  # the attacker's AUC when it scores by num_reused_tokens
     }
 
@@ -123,7 +130,11 @@ def plot(cells: list[dict], rows: list[dict], path: pathlib.Path, title: str) ->
         for c in (c for c in cells if c["secret_tokens"] == n):
             ax = axes[i, list(SETTINGS).index(c["setting"])]
             for cached, label in ((True, "cached by the victim (hit)"), (False, "fresh guess (miss)")):
-                sample = [r["ttft_ms"] for r in rows if (r["setting"], r["secret_tokens"], r["cached"]) == (c["setting"], n, cached)]
+                sample = [
+                    r["ttft_ms"]
+                    for r in rows
+                    if (r["setting"], r["secret_tokens"], r["cached"]) == (c["setting"], n, cached)
+                ]
                 ax.hist(np.minimum(sample, top), bins, alpha=0.55, label=label)
             ax.set_title(f"{c['setting']} salt, {n}-token secret: AUC {c['auc']:.2f}", fontsize=9)
             ax.set_xlabel("TTFT (ms)")
@@ -155,8 +166,18 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     report.write_csv(workdir / "probes.csv", rows)
     results = {"model": config.model, "salts": {s: {"victim": v, "attacker": a} for s, (v, a) in SETTINGS.items()},
                "cells": cells, "runtime_s": time.perf_counter() - start, "rows": rows}
-    report.write_summary(workdir, f"Prefix-cache timing side channel: {config.model}", [
-        ("Attacker AUC (TTFT as the score; reuse_auc: num_reused_tokens as the score)", report.markdown_table(cells)),
-        ("TTFT of cached vs fresh probes", "![ttft](ttft.png)\n\nThe slowest 2% of each panel are drawn in its last bin.\n"),
-    ])
+    report.write_summary(
+        workdir,
+        f"Prefix-cache timing side channel: {config.model}",
+        [
+            (
+                "Attacker AUC (TTFT as the score; reuse_auc: num_reused_tokens as the score)",
+                report.markdown_table(cells),
+            ),
+            (
+                "TTFT of cached vs fresh probes",
+                "![ttft](ttft.png)\n\nThe slowest 2% of each panel are drawn in its last bin.\n",
+            ),
+        ],
+    )
     return results

@@ -28,7 +28,7 @@ from kvjax.model.registry import Model, load_model
 from kvjax.sampling import SamplingParams
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
 SQUAD_SLICE = pathlib.Path(__file__).parents[1] / "tests" / "fixtures" / "squad_new_wiki_slice.json"
 """36 SQuAD-shifts new_wiki questions (CC BY 4.0) committed with the tests."""
@@ -74,7 +74,9 @@ def make_engine(model: Model, config: ml_collections.ConfigDict, speculative: Sp
 
 
 def spec_config(config: ml_collections.ConfigDict, method: str, k: int) -> SpeculativeConfig:
-    return SpeculativeConfig(method, num_draft_tokens=k, ngram_sizes=tuple(config.ngram_sizes), exit_layer=config.exit_layer)
+    return SpeculativeConfig(
+        method, num_draft_tokens=k, ngram_sizes=tuple(config.ngram_sizes), exit_layer=config.exit_layer
+    )
 
 
 def decode_speed(engine: Engine, prompts: Sequence[list[int]], batch: int, max_new_tokens: int) -> dict:
@@ -112,16 +114,25 @@ def speed_rows(model: Model, config: ml_collections.ConfigDict) -> list[dict]:
         engine = make_engine(model, config, None if method == "off" else spec_config(config, method, k))
         for workload, batch in cases:
             subset = prompts[workload][: max(batch, config.min_cell_prompts)]
-            decode_speed(engine, subset, batch, config.max_new_tokens)  # the same run untimed: compiles every shape it meets
+            # the same run untimed: compiles every shape it meets
+            decode_speed(engine, subset, batch, config.max_new_tokens)
             res = decode_speed(engine, subset, batch, config.max_new_tokens)
             ref = base.setdefault((workload, batch), res)
-            rows.append({
-                "workload": workload, "batch": batch, "drafter": method, "k": k,
-                "tokens_per_s": res["decode_tokens_per_s"], "speedup": res["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
-                "mean_accepted_length": res["mean_accepted_length"], "acceptance_rate": res["acceptance_rate"],
-                "draft_share": res["draft_share"], "decode_steps": res["decode_steps"],
-                "outputs_equal": res["outputs"] == ref["outputs"],
-            })
+            rows.append(
+                {
+                    "workload": workload,
+                    "batch": batch,
+                    "drafter": method,
+                    "k": k,
+                    "tokens_per_s": res["decode_tokens_per_s"],
+                    "speedup": res["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
+                    "mean_accepted_length": res["mean_accepted_length"],
+                    "acceptance_rate": res["acceptance_rate"],
+                    "draft_share": res["draft_share"],
+                    "decode_steps": res["decode_steps"],
+                    "outputs_equal": res["outputs"] == ref["outputs"],
+                }
+            )
         del engine
     return rows
 
@@ -198,7 +209,9 @@ def eviction_hit_rates(config: ml_collections.ConfigDict) -> list[dict]:
     rows = []
     for host in sim.host_pages:
         for concurrency in config.hit_rates.concurrency:
-            plain = eviction_trace.replay(eviction_trace.make_manager(sim, host), trace, priorities=True, concurrency=concurrency)
+            plain = eviction_trace.replay(
+                eviction_trace.make_manager(sim, host), trace, priorities=True, concurrency=concurrency
+            )
             spec = speculative_replay(eviction_trace.make_manager(sim, host), trace, k=config.hit_rates.k,
                                       acceptance=config.hit_rates.acceptance, concurrency=concurrency, seed=sim.seed)
             spec.check_consistency()
@@ -243,8 +256,10 @@ def plot(rows: Sequence[dict], path: pathlib.Path, batches: Sequence[int]) -> No
     for ax, batch in zip(axes[0], batches):
         for workload in ("rag", "chat"):
             for method in sorted({r["drafter"] for r in rows} - {"off"}):
-                sel = sorted((r for r in rows if r["batch"] == batch and r["workload"] == workload and r["drafter"] == method),
-                             key=lambda r: r["k"])
+                sel = sorted(
+                    (r for r in rows if r["batch"] == batch and r["workload"] == workload and r["drafter"] == method),
+                    key=lambda r: r["k"],
+                )
                 ax.plot([r["k"] for r in sel], [r["speedup"] for r in sel], marker="o", label=f"{method}, {workload}")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("draft length k")

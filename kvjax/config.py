@@ -12,6 +12,7 @@ loads with :func:`load_llm_config`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -121,14 +122,16 @@ class KvCacheRetentionConfig:
     def __post_init__(self) -> None:
         given = _as_tuple("token_range_retention_configs", self.token_range_retention_configs, "token ranges")
         ranges = tuple(
-            r if isinstance(r, TokenRangeRetentionConfig) else _from_mapping(TokenRangeRetentionConfig, r, "token range")
+            r
+            if isinstance(r, TokenRangeRetentionConfig)
+            else _from_mapping(TokenRangeRetentionConfig, r, "token range")
             for r in given
         )
         object.__setattr__(self, "token_range_retention_configs", ranges)
         _check_priority("decode_retention_priority", self.decode_retention_priority)
         _check_duration("decode_duration_ms", self.decode_duration_ms)
         ordered = sorted(ranges, key=lambda r: r.token_start)
-        for i, (a, b) in enumerate(zip(ordered, ordered[1:])):
+        for a, b in itertools.pairwise(ordered):
             _require(
                 a.token_end is not None and a.token_end <= b.token_start,
                 f"token_range_retention_configs overlap: [{a.token_start}, {a.token_end}) and "
@@ -165,7 +168,9 @@ class BlockReuseConfig:
     max_num_turns: int = 8
 
     def __post_init__(self) -> None:
-        _require(self.policy in REUSE_POLICIES, f"block_reuse_config.policy={self.policy!r} must be one of {REUSE_POLICIES}")
+        _require(
+            self.policy in REUSE_POLICIES, f"block_reuse_config.policy={self.policy!r} must be one of {REUSE_POLICIES}"
+        )
         _require(
             _is_int(self.max_num_turns) and self.max_num_turns >= 1,
             f"block_reuse_config.max_num_turns={self.max_num_turns!r} must be an int >= 1",
@@ -309,7 +314,9 @@ class KvCacheConfig:
             _is_int(t) and 1 <= t <= 1024 and (t & (t - 1)) == 0,
             f"tokens_per_block={t!r} must be a power of two in [1, 1024]",
         )
-        _require(isinstance(self.dtype, str) and self.dtype in KV_DTYPES, f"dtype={self.dtype!r} must be one of {KV_DTYPES}")
+        _require(
+            isinstance(self.dtype, str) and self.dtype in KV_DTYPES, f"dtype={self.dtype!r} must be one of {KV_DTYPES}"
+        )
         _require(
             isinstance(self.scale_granularity, str) and self.scale_granularity in KV_SCALE_GRANULARITIES,
             f"scale_granularity={self.scale_granularity!r} must be one of {KV_SCALE_GRANULARITIES}",
@@ -352,7 +359,10 @@ class KvCacheConfig:
         for name, unit in (("host_read_gbps", "GB/s; 0 = unthrottled"), ("host_latency_ms", "ms"),
                            ("disk_read_gbps", "GB/s; 0 = unthrottled"), ("disk_latency_ms", "ms")):
             value = getattr(self, name)
-            _require(_is_number(value) and 0.0 <= value < float("inf"), f"{name}={value!r} must be a finite number >= 0 ({unit})")
+            _require(
+                _is_number(value) and 0.0 <= value < float("inf"),
+                f"{name}={value!r} must be a finite number >= 0 ({unit})",
+            )
         for name, kind, is_kind, meaning in (
             ("max_attention_window", "ints", _is_int, "one window per layer, cycled"),
             ("pool_ratio", "numbers", _is_number, "one weight per layer group"),
@@ -496,14 +506,19 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS, f"method={self.method!r} must be one of {SPECULATIVE_METHODS}")
         k = self.num_draft_tokens
-        _require(_is_int(k) and 1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens={k!r} must be an int in [1, {MAX_DRAFT_TOKENS}]")
+        _require(
+            _is_int(k) and 1 <= k <= MAX_DRAFT_TOKENS,
+            f"num_draft_tokens={k!r} must be an int in [1, {MAX_DRAFT_TOKENS}]",
+        )
         sizes = _as_tuple("ngram_sizes", self.ngram_sizes, "two ints (min n, max n)")
         object.__setattr__(self, "ngram_sizes", sizes)
         _require(
             len(sizes) == 2 and all(_is_int(n) for n in sizes) and 1 <= sizes[0] <= sizes[1],
             f"ngram_sizes={sizes!r} must be two ints (min n, max n) with 1 <= min <= max",
         )
-        _require(_is_int(self.exit_layer) and self.exit_layer >= 1, f"exit_layer={self.exit_layer!r} must be an int >= 1")
+        _require(
+            _is_int(self.exit_layer) and self.exit_layer >= 1, f"exit_layer={self.exit_layer!r} must be an int >= 1"
+        )
 
     def check_model(self, num_layers: int) -> None:
         """Raises ConfigError if ``exit_layer`` does not leave at least one layer to skip."""

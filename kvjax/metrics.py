@@ -79,7 +79,11 @@ def kv_deviation(k: np.ndarray, v: np.ndarray, k_ref: np.ndarray, v_ref: np.ndar
 
 def relative_kv_deviation(dev: np.ndarray, k_ref: np.ndarray, v_ref: np.ndarray) -> np.ndarray:
     """``dev`` [l, T] divided by each layer's mean squared K+V norm over the tokens."""
-    norm = np.mean(np.sum(np.square(k_ref, dtype=np.float64), axis=(-2, -1)) + np.sum(np.square(v_ref, dtype=np.float64), axis=(-2, -1)), axis=1)
+    norm = np.mean(
+        np.sum(np.square(k_ref, dtype=np.float64), axis=(-2, -1))
+        + np.sum(np.square(v_ref, dtype=np.float64), axis=(-2, -1)),
+        axis=1,
+    )
     return dev / np.maximum(norm, 1e-30)[:, None]
 
 
@@ -132,7 +136,9 @@ def layer_flops(cfg: ModelConfig, rows: np.ndarray, positions: np.ndarray, qkv_o
     return float(flops)
 
 
-def recompute_flop_fraction(cfg: ModelConfig, recomputed: np.ndarray, num_tokens: int, qkv_checks: Sequence[int] = ()) -> float:
+def recompute_flop_fraction(
+    cfg: ModelConfig, recomputed: np.ndarray, num_tokens: int, qkv_checks: Sequence[int] = ()
+) -> float:
     """FLOPs of a (partial) prefill over those of the full prefill.
 
     Args:
@@ -195,7 +201,9 @@ def niah_exact(prediction: str, values: Sequence[str]) -> float:
     return float(niah_recall(prediction, values) == 1.0)
 
 
-def bootstrap_ci(values: Sequence[float] | np.ndarray, *, num: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_ci(
+    values: Sequence[float] | np.ndarray, *, num: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
     """(mean, low, high): percentile bootstrap of the mean over the given units (prompts)."""
     x = np.asarray(values, np.float64)
     if len(x) == 0:
@@ -232,7 +240,14 @@ def bootstrap_statistic(columns: Sequence[np.ndarray], statistic: Callable[..., 
     return value, float(lo), float(hi)
 
 
-def paired_bootstrap_ci(values: Sequence[float] | np.ndarray, baseline: Sequence[float] | np.ndarray, *, num: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+def paired_bootstrap_ci(
+    values: Sequence[float] | np.ndarray,
+    baseline: Sequence[float] | np.ndarray,
+    *,
+    num: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
     """(mean, low, high) of the per-prompt difference ``values - baseline`` (both [prompts],
     the same prompts in the same order), resampling prompts."""
     a, b = np.asarray(values, np.float64), np.asarray(baseline, np.float64)

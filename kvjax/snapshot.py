@@ -334,8 +334,12 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
             raise SnapshotError(f"{where}: {err}") from err
     num_layers = engine.layout.num_layers
     pool = PagePool(
-        k=tuple(_pages(arrays, f"device_k_{i:03d}", f"device_k_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
-        v=tuple(_pages(arrays, f"device_v_{i:03d}", f"device_v_scales_{i:03d}", jnp.asarray) for i in range(num_layers)),
+        k=tuple(
+            _pages(arrays, f"device_k_{i:03d}", f"device_k_scales_{i:03d}", jnp.asarray) for i in range(num_layers)
+        ),
+        v=tuple(
+            _pages(arrays, f"device_v_{i:03d}", f"device_v_scales_{i:03d}", jnp.asarray) for i in range(num_layers)
+        ),
     )
     if index is not None:
         engine.recurrent.index = index

@@ -41,5 +41,5 @@ def gather_scales(scale_refs: list, pages: jax.Array, tokens_per_block: int) -> 
         return {}
     k_scales_ref, v_scales_ref = scale_refs
     shape = (pages.shape[0], tokens_per_block)
-    row = lambda ref: jnp.broadcast_to(ref[pages], shape).reshape(1, shape[0] * tokens_per_block)  # noqa: E731
+    row = lambda ref: jnp.broadcast_to(ref[pages], shape).reshape(1, shape[0] * tokens_per_block)
     return {"k_scale": row(k_scales_ref), "v_scale": row(v_scales_ref)}

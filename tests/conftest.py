@@ -85,8 +85,14 @@ def _tiny_layout(num_device_pages: int = 8, windows: tuple[int, ...] = (64,), ho
     2 · tokens_per_block · head_dim · 4 · n bytes."""
     windows = tuple(min(w, max_seq_len) for w in windows)
     return CacheLayout(
-        layer_windows=windows, num_pages=(num_device_pages,) * len(dict.fromkeys(windows)), tokens_per_block=tokens_per_block,
-        num_kv_heads=1, head_dim=head_dim, max_seq_len=max_seq_len, num_host_pages=host, num_disk_pages=disk,
+        layer_windows=windows,
+        num_pages=(num_device_pages,) * len(dict.fromkeys(windows)),
+        tokens_per_block=tokens_per_block,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        max_seq_len=max_seq_len,
+        num_host_pages=host,
+        num_disk_pages=disk,
     )
 
 

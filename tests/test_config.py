@@ -19,7 +19,11 @@ from kvjax.config import (
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("free_gpu_memory_fraction", 1.5, r"free_gpu_memory_fraction=1.5 must be a float in the open interval \(0, 1\)"),
+        (
+            "free_gpu_memory_fraction",
+            1.5,
+            r"free_gpu_memory_fraction=1.5 must be a float in the open interval \(0, 1\)",
+        ),
         ("free_gpu_memory_fraction", 0.0, r"free_gpu_memory_fraction=0.0"),
         ("tokens_per_block", 24, r"tokens_per_block=24 must be a power of two in \[1, 1024\]"),
         ("dtype", "int4", r"dtype='int4' must be one of"),
@@ -29,7 +33,11 @@ from kvjax.config import (
         ("disk_cache_size", 4096, r"disk_cache_size=4096 needs host_cache_size > 0"),
         ("disk_cache_dir", "", r"disk_cache_dir='' must be None or a non-empty path string"),
         ("secondary_offload_min_priority", 101, r"secondary_offload_min_priority=101 must be an int in \[0, 100\]"),
-        ("max_attention_window", [4096, 0], r"max_attention_window=\(4096, 0\) must be a non-empty list of positive ints"),
+        (
+            "max_attention_window",
+            [4096, 0],
+            r"max_attention_window=\(4096, 0\) must be a non-empty list of positive ints",
+        ),
         ("event_buffer_max_size", -5, r"event_buffer_max_size=-5 must be an int >= 0"),
         ("use_kv_cache_manager_v2", "maybe", r"use_kv_cache_manager_v2='maybe' must be 'auto', 'true' or 'false'"),
         ("enable_block_reuse", "yes", r"enable_block_reuse='yes' must be a bool"),
@@ -56,7 +64,9 @@ def test_retention_rejects_bad_priority_and_overlap():
 
 
 def test_retention_priority_lookup():
-    cfg = KvCacheRetentionConfig([TokenRangeRetentionConfig(10, 62, 90, 1000.0), TokenRangeRetentionConfig(62, None, 5)])
+    cfg = KvCacheRetentionConfig(
+        [TokenRangeRetentionConfig(10, 62, 90, 1000.0), TokenRangeRetentionConfig(62, None, 5)]
+    )
     assert cfg.priority_at(0) == (35, None)
     assert cfg.priority_at(10) == (90, 1000.0)
     assert cfg.priority_at(61) == (90, 1000.0)
@@ -94,7 +104,9 @@ def test_fraction_accepts_exactly_the_open_unit_interval(f):
             KvCacheConfig(free_gpu_memory_fraction=f)
 
 
-@pytest.mark.parametrize("field", ["tokens_per_block", "max_tokens", "host_cache_size", "free_memory_bytes", "event_buffer_max_size"])
+@pytest.mark.parametrize(
+    "field", ["tokens_per_block", "max_tokens", "host_cache_size", "free_memory_bytes", "event_buffer_max_size"]
+)
 def test_booleans_are_not_sizes(field):
     with pytest.raises(ConfigError, match=rf"{field}=True must be"):
         KvCacheConfig(**{field: True})
@@ -112,7 +124,10 @@ def test_booleans_are_not_scheduler_sizes(field):
         ("kv_cache_config: false\n", r"kv_cache_config=False must be a mapping of field names to values"),
         ("kv_cache_config: 5\n", r"kv_cache_config=5 must be a mapping"),
         ("scheduler_config: [1, 2]\n", r"scheduler_config=\[1, 2\] must be a mapping"),
-        ("kv_cache_config:\n  max_attention_window: 4096\n", r"max_attention_window=4096 must be a list of positive ints"),
+        (
+            "kv_cache_config:\n  max_attention_window: 4096\n",
+            r"max_attention_window=4096 must be a list of positive ints",
+        ),
         ("- 1\n", r"config source must be a mapping, got list"),
     ],
 )
@@ -127,7 +142,10 @@ def test_empty_yaml_sections_mean_defaults():
 
 
 def test_retention_shapes_are_checked():
-    with pytest.raises(ConfigError, match=r"token_range_retention_configs=TokenRangeRetentionConfig\(.*\) must be a list of token ranges"):
+    with pytest.raises(
+        ConfigError,
+        match=r"token_range_retention_configs=TokenRangeRetentionConfig\(.*\) must be a list of token ranges",
+    ):
         KvCacheRetentionConfig(TokenRangeRetentionConfig(0, 4, 50))
     with pytest.raises(ConfigError, match=r"token range=5 must be a mapping"):
         KvCacheRetentionConfig([5])

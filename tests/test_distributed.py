@@ -39,7 +39,8 @@ TINY_CASES = {
     "gqa3_on3": dict(num_heads=6, num_kv_heads=3),
 }
 EXPECTED_MESH = {"mha8": (1, 8), "gqa4": (2, 4), "gqa3": (8, 1), "mqa1": (8, 1), "gqa3_on3": (1, 3)}
-BLEND_CASES = ("mha8", "gqa3_on3")  # one layer group each (Gemma's windows are covered in tests/blend/test_gemma_blend.py)
+# one layer group each (Gemma's windows are covered in tests/blend/test_gemma_blend.py)
+BLEND_CASES = ("mha8", "gqa3_on3")
 KERNEL_CASES = ("gqa4",)
 
 
@@ -66,7 +67,9 @@ def _run_steps(step, tokens: np.ndarray, prefill: int, table: np.ndarray) -> lis
     return out
 
 
-def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens: int = 70, tokens_per_block: int = 8) -> dict:
+def forward_case(
+    name: str, overrides: dict, attn_impl: str = "auto", num_tokens: int = 70, tokens_per_block: int = 8
+) -> dict:
     """Chunked prefill + decode on a tiny model, one device (XLA reference) vs the mesh (``attn_impl``)."""
     import jax
     import jax.numpy as jnp
@@ -84,7 +87,7 @@ def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, num_tokens).astype(np.int32)
     table = (rng.permutation(15)[: layout.pages_for(num_tokens)] + 1).astype(np.int32)[None]
-    tables = lambda t: (jnp.asarray(t),) * layout.num_groups  # noqa: E731
+    tables = lambda t: (jnp.asarray(t),) * layout.num_groups
     prefill = num_tokens - 4
 
     state = {"pool": init_pool(layout)}
@@ -102,9 +105,22 @@ def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens
     sparams = distributed.shard_params(params, cfg, mesh)
     state["pool"] = distributed.init_sharded_pool(layout, mesh)
     lowered = jax.jit(forward, static_argnames=("cfg", "layout", "logits_mode", "attn_impl", "mesh")).lower(
-        sparams, state["pool"], *distributed.replicate(
-            (tokens[None, :prefill], np.arange(prefill, dtype=np.int32)[None], tables(table), np.asarray([prefill], np.int32)), mesh,
-        ), cfg=cfg, layout=layout, logits_mode="all", attn_impl=attn_impl, mesh=mesh,
+        sparams,
+        state["pool"],
+        *distributed.replicate(
+            (
+                tokens[None, :prefill],
+                np.arange(prefill, dtype=np.int32)[None],
+                tables(table),
+                np.asarray([prefill], np.int32),
+            ),
+            mesh,
+        ),
+        cfg=cfg,
+        layout=layout,
+        logits_mode="all",
+        attn_impl=attn_impl,
+        mesh=mesh,
     )
     found = distributed.collectives(lowered.compile().as_text())
 
@@ -122,7 +138,9 @@ def forward_case(name: str, overrides: dict, attn_impl: str = "auto", num_tokens
         "prefill_rel": _rel(got[0], ref[0]),
         "decode_rel": max(_rel(g, r) for g, r in zip(got[1:], ref[1:])),
         "pool_rel": max(_rel(np.asarray(a), b) for a, b in zip(pool.k + pool.v, ref_pool.k + ref_pool.v)),
-        "pool_sharded": all(a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in pool.k + pool.v),
+        "pool_sharded": all(
+            a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in pool.k + pool.v
+        ),
         "pool_shard_shape": list(pool.k[0].addressable_shards[0].data.shape),
         "pool_shape": list(pool.k[0].shape),
         "collectives": {op: len(shapes) for op, shapes in found.items()},
@@ -141,7 +159,7 @@ def blend_case(name: str, overrides: dict) -> dict:
 
     cfg, params = tiny_model(2, **{**overrides, "num_layers": 4})
     rng = np.random.default_rng(1)
-    draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))  # noqa: E731
+    draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))
     prompt = BlendPrompt(prefix=draw(7), chunks=(draw(40), draw(33), draw(50)), suffix=draw(9))
     config = SelectionConfig(recompute_ratio=0.3, check_layers=(1, 2), budgets=(2.0, 1.0), row_bucket=16)
 
@@ -162,7 +180,9 @@ def blend_case(name: str, overrides: dict) -> dict:
         "full_rel": _rel(got["full"], ref["full"]),
         "same_tokens": got["tokens"] == ref["tokens"],
         "blend_vs_full": _rel(ref["blend"], ref["full"]),
-        "pool_sharded": all(a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in engine.pool.k),
+        "pool_sharded": all(
+            a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in engine.pool.k
+        ),
         "params_sharded": not engine.runner.context.params.layers[0].w_gate.sharding.is_fully_replicated,
     }
 
@@ -211,7 +231,9 @@ def smollm2_case(num_tokens: int = 520) -> dict:
         "prefill_rel": _rel(got[0], ref[0]),
         "decode_rel": max(_rel(g, r) for g, r in zip(got[1:], ref[1:])),
         "same_argmax": [int(np.argmax(g)) for g in got] == [int(np.argmax(r)) for r in ref],
-        "pool_sharded": all(a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in state["pool"].k),
+        "pool_sharded": all(
+            a.sharding.is_equivalent_to(distributed.pool_sharding(mesh), a.ndim) for a in state["pool"].k
+        ),
     }
 
 
@@ -220,7 +242,12 @@ def _spawn(code: str, timeout: int = 300) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=root, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -299,7 +326,10 @@ def test_mesh_shape_and_errors():
 def test_collectives_parses_hlo():
     from kvjax import distributed
 
-    hlo = "  %ag = f32[8,4]{1,0} all-gather(f32[1,4]{1,0} %p), dimensions={0}\n  ROOT %ar = (f32[2], f32[2]) all-reduce-start(%a, %b)\n"
+    hlo = (
+        "  %ag = f32[8,4]{1,0} all-gather(f32[1,4]{1,0} %p), dimensions={0}\n"
+        "  ROOT %ar = (f32[2], f32[2]) all-reduce-start(%a, %b)\n"
+    )
     found = distributed.collectives(hlo)
     assert found["all-gather"] == ["f32[8,4]{1,0}"] and found["all-reduce"] == ["(f32[2], f32[2])"]
 

@@ -126,7 +126,9 @@ def test_every_import_points_down_or_sideways_within_its_own_package():
 
 
 def test_no_import_cycles():
-    graph = {m: sorted({t for t, type_only, _ in imports if not type_only and t != m}) for m, imports in _graph().items()}
+    graph = {
+        m: sorted({t for t, type_only, _ in imports if not type_only and t != m}) for m, imports in _graph().items()
+    }
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

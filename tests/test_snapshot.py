@@ -19,7 +19,9 @@ GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True, return_logits=True)
 def make_engine(model, **kv) -> Engine:
     page_bytes = model.config.num_layers * 2 * 16 * model.config.num_kv_heads * model.config.head_dim * 4
     kv = {"tokens_per_block": 16, "max_tokens": 16 * 24, "host_cache_size": 16 * page_bytes, **kv}
-    return Engine(model, KvCacheConfig(**kv), SchedulerConfig(max_num_tokens=256, prefill_chunk_size=128), max_seq_len=256)
+    return Engine(
+        model, KvCacheConfig(**kv), SchedulerConfig(max_num_tokens=256, prefill_chunk_size=128), max_seq_len=256
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,9 @@ def test_damaged_snapshot_is_refused(smollm2, prompts, tmp_path):
     engine = make_engine(smollm2)
     engine.generate([prompts[0]], GREEDY)
     step = save_snapshot(engine, tmp_path)
-    data_files = sorted(p for p in (tmp_path / str(step) / "arrays").rglob("*") if p.is_file() and p.stat().st_size > 4096)
+    data_files = sorted(
+        p for p in (tmp_path / str(step) / "arrays").rglob("*") if p.is_file() and p.stat().st_size > 4096
+    )
     victim = data_files[-1]
     blob = bytearray(victim.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
@@ -107,7 +111,9 @@ def test_interrupted_save_keeps_the_previous_snapshot(smollm2, prompts, tmp_path
             raise OSError("power cut during the save")
 
     real_save = snapshot.ocp.args.StandardSave
-    monkeypatch.setattr(snapshot.ocp.args, "StandardSave", lambda arrays: real_save({**arrays, "zz_power_cut": PowerCut()}))
+    monkeypatch.setattr(
+        snapshot.ocp.args, "StandardSave", lambda arrays: real_save({**arrays, "zz_power_cut": PowerCut()})
+    )
     with pytest.raises(Exception, match="power cut"):
         save_snapshot(engine, tmp_path)
     monkeypatch.undo()

@@ -26,7 +26,9 @@ log = logging.getLogger("device_check")
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="experiments.device_check", description=__doc__)
-    parser.add_argument("--dry-run", action="store_true", help="every stage on the CPU at tiny sizes, kernels interpreted")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="every stage on the CPU at tiny sizes, kernels interpreted"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", "device_check_out")),
                         help="folder for device_check.md and device_check.json (default $OUT or ./device_check_out)")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="stages to run, in order")
@@ -55,9 +57,11 @@ def main(argv: list[str]) -> int:
                  results[-1].compile_s)
     mode = "interpreted on the CPU" if sizes.interpret else "compiled"
     paths = [{**entry, "mode": mode} for entry in context.kernel_paths.values()]
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    title = (f"device_check{' --dry-run' if args.dry_run else ''}: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-             f"{stamp}, {time.monotonic() - start:.0f} s")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    title = (
+        f"device_check{' --dry-run' if args.dry_run else ''}: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"{stamp}, {time.monotonic() - start:.0f} s"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(report.write(args.out, title, facts, paths, results))
     return 1 if any(r.status == "failed" for r in results) else 0

@@ -66,8 +66,16 @@ def make_pool(key: jax.Array, shape: tuple[int, ...], kv_dtype: str) -> tuple[ja
     return values, jax.random.uniform(scales_key, shape[:3], jnp.float32, 0.005, 0.02)
 
 
-def measure_point(context: Context, kernel: str, kv_dtype: str, batch: int, context_len: int, fn: Callable[[], jax.Array],
-                  token_bytes: int, ceiling: float) -> dict:
+def measure_point(
+    context: Context,
+    kernel: str,
+    kv_dtype: str,
+    batch: int,
+    context_len: int,
+    fn: Callable[[], jax.Array],
+    token_bytes: int,
+    ceiling: float,
+) -> dict:
     """One row: ``fn`` timed, its K/V bytes per second against ``ceiling`` (bytes/s); any error recorded."""
     row = dict(kernel=kernel, kv_dtype=kv_dtype, batch=batch, context=context_len, first_call_s=float("nan"),
                us=float("nan"), tokens_per_s=float("nan"), gb_per_s=float("nan"), of_copy=float("nan"), error="")
@@ -77,9 +85,14 @@ def measure_point(context: Context, kernel: str, kv_dtype: str, batch: int, cont
     try:
         first, seconds = timed(fn, context.sizes.bw_calls)
         kv_bytes = batch * context_len * token_bytes
-        row.update(first_call_s=first, us=1e6 * seconds, tokens_per_s=batch / seconds, gb_per_s=kv_bytes / seconds / 1e9,
-                   of_copy=kv_bytes / seconds / ceiling)
-    except Exception as error:  # noqa: BLE001  (recorded in the row; the next point runs)
+        row.update(
+            first_call_s=first,
+            us=1e6 * seconds,
+            tokens_per_s=batch / seconds,
+            gb_per_s=kv_bytes / seconds / 1e9,
+            of_copy=kv_bytes / seconds / ceiling,
+        )
+    except Exception as error:
         row["error"] = error_text(error)
     if kernel.startswith("pallas"):
         context.record_path(MOSAIC_PATH if "mosaic" in kernel else PAGED_PATH, row["error"] or None)
@@ -105,11 +118,14 @@ def dtype_rows(context: Context, kv_dtype: str, ceiling: float, permuted: np.nda
                 jnp.asarray(permuted[: batch * pages].reshape(batch, pages)))
 
     def kernel(q: jax.Array, lengths: jax.Array, table: jax.Array, **blocking: int) -> jax.Array:
-        return paged_gpu.paged_attention(q, k_pages, v_pages, lengths, table, sm_scale=sm_scale, interpret=sizes.interpret,
-                                         **blocking, **scales)
+        return paged_gpu.paged_attention(
+            q, k_pages, v_pages, lengths, table, sm_scale=sm_scale, interpret=sizes.interpret, **blocking, **scales
+        )
 
     def mosaic(q: jax.Array, lengths: jax.Array, table: jax.Array) -> jax.Array:
-        return paged_mosaic.paged_attention(q, k_pages, v_pages, lengths, table, sm_scale=sm_scale, interpret=sizes.interpret)
+        return paged_mosaic.paged_attention(
+            q, k_pages, v_pages, lengths, table, sm_scale=sm_scale, interpret=sizes.interpret
+        )
 
     with_mosaic = not scales and mosaic_skip_reason(sizes.interpret) is None and paged_mosaic.supports(
         k_pages.dtype, tokens_per_block, head_dim, num_heads // num_kv_heads, False)
@@ -117,19 +133,38 @@ def dtype_rows(context: Context, kv_dtype: str, ceiling: float, permuted: np.nda
     for batch in sizes.bw_batches:
         for context_len in (c for c in sizes.bw_contexts if batch * c <= sizes.bw_max_tokens):
             args = problem(batch, context_len)
-            rows.append(measure_point(context, "pallas triton (tuned)", kv_dtype, batch, context_len, lambda: kernel(*args),
-                                      token_bytes, ceiling))
+            rows.append(
+                measure_point(
+                    context,
+                    "pallas triton (tuned)",
+                    kv_dtype,
+                    batch,
+                    context_len,
+                    lambda args=args: kernel(*args),
+                    token_bytes,
+                    ceiling,
+                )
+            )
             if with_mosaic:
                 rows.append(measure_point(context, "pallas mosaic gpu (tuned)", kv_dtype, batch, context_len,
-                                          lambda: mosaic(*args), token_bytes, ceiling))
+                                          lambda args=args: mosaic(*args), token_bytes, ceiling))
     if kv_dtype != "bfloat16":
         return rows
     batch, context_len = sizes.bw_sweep_point
     q, lengths, table = problem(batch, context_len)
     for pages_per_block, k_splits in sizes.bw_sweep:
-        rows.append(measure_point(
-            context, f"pallas triton P={pages_per_block} k_splits={k_splits}", kv_dtype, batch, context_len,
-            lambda: kernel(q, lengths, table, pages_per_block=pages_per_block, k_splits=k_splits), token_bytes, ceiling))
+        rows.append(
+            measure_point(
+                context,
+                f"pallas triton P={pages_per_block} k_splits={k_splits}",
+                kv_dtype,
+                batch,
+                context_len,
+                lambda p=pages_per_block, s=k_splits: kernel(q, lengths, table, pages_per_block=p, k_splits=s),
+                token_bytes,
+                ceiling,
+            )
+        )
     reference = jax.jit(lambda q, k, v, n, t: paged_attention_ref(q, k, v, n, t, sm_scale=sm_scale))
     rows.append(measure_point(context, "xla reference (gather)", kv_dtype, batch, context_len,
                               lambda: reference(q, k_pages, v_pages, lengths, table), token_bytes, ceiling))
@@ -148,7 +183,10 @@ def run(context: Context) -> list[Table]:
     num_pages = 1 + sizes.bw_max_tokens // sizes.bw_tokens_per_block  # page 0 is the null page
     permuted = np.random.default_rng(0).permutation(np.arange(1, num_pages)).astype(np.int32)
     rows = [row for kv_dtype in sizes.bw_dtypes for row in dtype_rows(context, kv_dtype, ceiling, permuted)]
-    note = (f"Paged decode, heads {sizes.bw_heads[0]}/{sizes.bw_heads[1]}, head_dim {sizes.bw_head_dim}, tokens_per_block "
-            f"{sizes.bw_tokens_per_block}, bf16 queries; device copy {ceiling / 1e9:.0f} GB/s (read + written); GB/s counts "
-            f"the K and V bytes (and scales) read once; mean of {sizes.bw_calls} back-to-back calls.")
+    note = (
+        f"Paged decode, heads {sizes.bw_heads[0]}/{sizes.bw_heads[1]}, head_dim {sizes.bw_head_dim}, tokens_per_block "
+        f"{sizes.bw_tokens_per_block}, bf16 queries; device copy {ceiling / 1e9:.0f} GB/s (read + written); GB/s "
+        f"counts "
+        f"the K and V bytes (and scales) read once; mean of {sizes.bw_calls} back-to-back calls."
+    )
     return [Table("Paged decode bandwidth", note, rows)]

@@ -29,14 +29,20 @@ def measure(context: Context, model: Model, attn_impl: str) -> tuple[BlendPrompt
     """The prompt and one row per policy (timed rounds stop at the stage's deadline; one always runs)."""
     sizes = context.sizes
     rng = np.random.default_rng(0)
-    prompt = random_prompt(rng, model.config.vocab_size, sizes.blend_prefix, list(sizes.blend_chunks), sizes.blend_suffix)
+    prompt = random_prompt(
+        rng, model.config.vocab_size, sizes.blend_prefix, list(sizes.blend_chunks), sizes.blend_suffix
+    )
     engine = make_engine(model, sizes, attn_impl, prompt.roles.num_tokens + 64)
     store = ChunkStore(engine, variant="system", prefix_tokens=prompt.prefix)
     for chunk in prompt.chunks:
         store.put(chunk)
     blender = Blender(store, token_bucket=sizes.blend_token_bucket)
-    policies = {FULL_RECOMPUTE: FULL_RECOMPUTE,
-                f"cacheblend@{sizes.blend_ratio:g}": SelectionConfig(recompute_ratio=sizes.blend_ratio, row_bucket=sizes.blend_row_bucket)}
+    policies = {
+        FULL_RECOMPUTE: FULL_RECOMPUTE,
+        f"cacheblend@{sizes.blend_ratio:g}": SelectionConfig(
+            recompute_ratio=sizes.blend_ratio, row_bucket=sizes.blend_row_bucket
+        ),
+    }
     for policy in policies.values():  # compiles every shape
         blender.run(prompt, policy)
     ttft: dict[str, list[float]] = {name: [] for name in policies}
@@ -46,7 +52,7 @@ def measure(context: Context, model: Model, attn_impl: str) -> tuple[BlendPrompt
             break
         runs = {}
         for name, policy in policies.items():
-            runs[name], compilations = timing.compilations_during(lambda: blender.run(prompt, policy))
+            runs[name], compilations = timing.compilations_during(lambda policy=policy: blender.run(prompt, policy))
             ttft[name].append(runs[name].ttft_s)
             compiles += compilations.programs
         full, blended = runs.values()
@@ -57,18 +63,31 @@ def measure(context: Context, model: Model, attn_impl: str) -> tuple[BlendPrompt
     for name in policies:
         ms = 1e3 * float(np.median(ttft[name]))
         blended = name != FULL_RECOMPUTE
-        rows.append(dict(policy=name, prompt_tokens=prompt.roles.num_tokens, ttft_ms=ms, speedup=full_ms / ms, rounds=len(ttft[name]),
-                         top1_agrees=float(np.mean(agree)) if blended else 1.0, kl=float(np.mean(kl)) if blended else 0.0,
-                         compiles=compiles))
+        rows.append(
+            dict(
+                policy=name,
+                prompt_tokens=prompt.roles.num_tokens,
+                ttft_ms=ms,
+                speedup=full_ms / ms,
+                rounds=len(ttft[name]),
+                top1_agrees=float(np.mean(agree)) if blended else 1.0,
+                kl=float(np.mean(kl)) if blended else 0.0,
+                compiles=compiles,
+            )
+        )
     return prompt, rows
 
 
 def run(context: Context) -> list[Table]:
     sizes = context.sizes
     model = random_model(sizes)
-    (prompt, rows), attn_impl, why = measure_with_fallback(context, "blend", lambda impl: measure(context, model, impl))
+    (prompt, rows), _, why = measure_with_fallback(context, "blend", lambda impl: measure(context, model, impl))
     cfg = model.config
-    note = (f"{cfg.name} shapes ({cfg.num_layers} layers), random bf16 weights, attention {why}; prompt: {len(prompt.prefix)}-token "
-            f"prefix, {len(prompt.chunks)} chunks of {sizes.blend_chunks[0]}, {len(prompt.suffix)}-token suffix; chunks on the "
-            f"device tier; median of the timed rounds (``rounds``, at most {sizes.repeats}) after one untimed round.")
+    note = (
+        f"{cfg.name} shapes ({cfg.num_layers} layers), random bf16 weights, attention {why}; prompt: "
+        f"{len(prompt.prefix)}-token "
+        f"prefix, {len(prompt.chunks)} chunks of {sizes.blend_chunks[0]}, {len(prompt.suffix)}-token suffix; chunks on "
+        f"the "
+        f"device tier; median of the timed rounds (``rounds``, at most {sizes.repeats}) after one untimed round."
+    )
     return [Table("CacheBlend against full recompute", note, rows)]

@@ -69,9 +69,21 @@ def check_case(context: Context, case: GridCase, window: int | None, cap: float 
     tokens_per_block, (num_heads, num_kv_heads), head_dim, dtype = case
     op = "decode" if num_queries == 1 else "partial"
     path = MOSAIC_PATH if mosaic else PAGED_PATH if op == "decode" else PARTIAL_PATH
-    row = dict(kernel="mosaic gpu" if mosaic else "triton", op=op, tokens_per_block=tokens_per_block, heads=f"{num_heads}/{num_kv_heads}", head_dim=head_dim,
-               q_dtype=dtype, kv_dtype=kv_dtype or dtype, scales=granularity if kv_dtype else "-", window=window,
-               soft_cap=cap, max_rel_err=float("nan"), ok=False, error="")
+    row = dict(
+        kernel="mosaic gpu" if mosaic else "triton",
+        op=op,
+        tokens_per_block=tokens_per_block,
+        heads=f"{num_heads}/{num_kv_heads}",
+        head_dim=head_dim,
+        q_dtype=dtype,
+        kv_dtype=kv_dtype or dtype,
+        scales=granularity if kv_dtype else "-",
+        window=window,
+        soft_cap=cap,
+        max_rel_err=float("nan"),
+        ok=False,
+        error="",
+    )
     if context.out_of_time:
         row["error"] = SKIPPED
         return row
@@ -97,10 +109,12 @@ def check_case(context: Context, case: GridCase, window: int | None, cap: float 
         else:
             args = (inputs.q, inputs.q_positions)
             expected = partial_ref(*args, *clean, *table, **options)
-            actual = partial_gpu.partial_attention(*args, *pages, *table, **options, **scales, interpret=context.sizes.interpret)
+            actual = partial_gpu.partial_attention(
+                *args, *pages, *table, **options, **scales, interpret=context.sizes.interpret
+            )
         row["max_rel_err"] = max_rel_error(actual, expected)
         row["ok"] = row["max_rel_err"] <= TOLERANCE[dtype]
-    except Exception as error:  # noqa: BLE001  (recorded in the row; the grid goes on)
+    except Exception as error:
         row["error"] = error_text(error)
     context.record_path(path, row["error"] or None)
     return row
@@ -114,8 +128,12 @@ def run(context: Context) -> list[Table]:
     mosaic = []
     reason = mosaic_skip_reason(sizes.interpret)
     if reason is None:
-        mosaic = [dict(case=case, window=w, cap=c, num_queries=1, mosaic=True) for case in sizes.grid for w, c, n in VARIANTS
-                  if n == 1 and paged_mosaic.supports(jnp.dtype(case[3]), case[0], case[2], case[1][0] // case[1][1], False)]
+        mosaic = [
+            dict(case=case, window=w, cap=c, num_queries=1, mosaic=True)
+            for case in sizes.grid
+            for w, c, n in VARIANTS
+            if n == 1 and paged_mosaic.supports(jnp.dtype(case[3]), case[0], case[2], case[1][0] // case[1][1], False)
+        ]
     else:
         context.skip_path(MOSAIC_PATH, reason)
     quantized = [dict(case=case, window=None, cap=None, num_queries=n, kv_dtype=kv_dtype, granularity=granularity)
@@ -126,7 +144,10 @@ def run(context: Context) -> list[Table]:
     skipped = sum(r["error"] == SKIPPED for r in rows)
     rows = [r for r in rows if r["error"] != SKIPPED]
     passed = sum(r["ok"] for r in rows)
-    note = (f"{passed}/{len(rows)} within tolerance (1e-5 float32, 1e-2 bfloat16 queries; max |a - e| / (|e| + 1)); "
-            f"Pallas kernels {'interpreted on the CPU' if sizes.interpret else 'compiled for the device'}, NaN-poisoned pools"
-            + (f"; {skipped} more cases skipped ({SKIPPED})." if skipped else "."))
+    note = (
+        f"{passed}/{len(rows)} within tolerance (1e-5 float32, 1e-2 bfloat16 queries; max |a - e| / (|e| + 1)); "
+        f"Pallas kernels {'interpreted on the CPU' if sizes.interpret else 'compiled for the device'}, NaN-poisoned "
+        f"pools"
+        + (f"; {skipped} more cases skipped ({SKIPPED})." if skipped else ".")
+    )
     return [Table("Kernel correctness against the references", note, rows)]

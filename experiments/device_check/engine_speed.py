@@ -50,7 +50,7 @@ def measure_with_fallback(context: Context, label: str, measure: Callable[[str],
     attn_impl, why = attention_impl(context)
     try:
         result = measure(attn_impl)
-    except Exception as error:  # noqa: BLE001  (the kernels failed inside the measurement: XLA attention)
+    except Exception as error:
         context.record_path(f"{label}, attn_impl={attn_impl!r}", error_text(error))
         if attn_impl == "blocked":
             raise
@@ -82,11 +82,11 @@ def checked(outputs: list[RequestOutput]) -> list[RequestOutput]:
 
 def ttft_round(engine: Engine, sizes: Sizes, length: int, rng: np.random.Generator) -> dict[str, tuple[float, int]]:
     """One round at ``length``: kind -> (TTFT seconds, reused tokens)."""
-    draw = lambda n: rng.integers(3, engine.model.config.vocab_size, n).tolist()  # noqa: E731
+    draw = lambda n: rng.integers(3, engine.model.config.vocab_size, n).tolist()
     [cold] = checked(engine.generate([draw(length)], FIRST_TOKEN))
     base = draw(length)
     checked(engine.generate([base], FIRST_TOKEN))
-    cached = int(round(sizes.hit_fraction * length / sizes.tokens_per_block)) * sizes.tokens_per_block
+    cached = round(sizes.hit_fraction * length / sizes.tokens_per_block) * sizes.tokens_per_block
     [hit] = checked(engine.generate([base[:cached] + draw(length - cached)], FIRST_TOKEN))
     return {"cold": (cold.ttft_s, cold.num_reused_tokens), "prefix hit": (hit.ttft_s, hit.num_reused_tokens)}
 
@@ -94,7 +94,9 @@ def ttft_round(engine: Engine, sizes: Sizes, length: int, rng: np.random.Generat
 def measure(context: Context, model: Model, attn_impl: str) -> tuple[list[dict], list[dict]]:
     """The TTFT rows and the decode rows; rows past the stage's deadline are left out."""
     sizes, cfg = context.sizes, model.config
-    engine = make_engine(model, sizes, attn_impl, max(max(sizes.ttft_lengths), sizes.decode_prompt + sizes.decode_tokens) + 64)
+    engine = make_engine(
+        model, sizes, attn_impl, max(max(sizes.ttft_lengths), sizes.decode_prompt + sizes.decode_tokens) + 64
+    )
     rng = np.random.default_rng(0)
     ttft_rows = []
     for length in sizes.ttft_lengths:
@@ -103,22 +105,42 @@ def measure(context: Context, model: Model, attn_impl: str) -> tuple[list[dict],
         ttft_round(engine, sizes, length, rng)  # compiles this length's shapes
         samples, compiles = [], 0
         for _ in range(sizes.repeats):
-            measured, compilations = timing.compilations_during(lambda: ttft_round(engine, sizes, length, rng))
+            measured, compilations = timing.compilations_during(
+                lambda length=length: ttft_round(engine, sizes, length, rng)
+            )
             samples.append(measured)
             compiles += compilations.programs
         for kind in ("cold", "prefix hit"):
-            ttft_rows.append(dict(prompt_tokens=length, kind=kind, ttft_ms=1e3 * float(np.median([s[kind][0] for s in samples])),
-                                  reused_tokens=samples[-1][kind][1], compiles=compiles))
+            ttft_rows.append(
+                dict(
+                    prompt_tokens=length,
+                    kind=kind,
+                    ttft_ms=1e3 * float(np.median([s[kind][0] for s in samples])),
+                    reused_tokens=samples[-1][kind][1],
+                    compiles=compiles,
+                )
+            )
     decode_rows = []
     sampling = SamplingParams(max_new_tokens=sizes.decode_tokens, ignore_eos=True)
     for batch in sizes.decode_batches:
         if context.out_of_time:
             break
-        prompts = lambda: [rng.integers(3, cfg.vocab_size, sizes.decode_prompt).tolist() for _ in range(batch)]  # noqa: E731
+        prompts = lambda batch=batch: [
+            rng.integers(3, cfg.vocab_size, sizes.decode_prompt).tolist() for _ in range(batch)
+        ]
         checked(engine.generate(prompts(), sampling))  # compiles this batch's shapes; a failing decode raises here
-        step_s, compilations = timing.compilations_during(lambda: timing.decode_step_seconds(engine, prompts(), sampling))
-        decode_rows.append(dict(batch=batch, prompt_tokens=sizes.decode_prompt, step_ms=1e3 * step_s, tokens_per_s=batch / step_s,
-                                compiles=compilations.programs))
+        step_s, compilations = timing.compilations_during(
+            lambda prompts=prompts: timing.decode_step_seconds(engine, prompts(), sampling)
+        )
+        decode_rows.append(
+            dict(
+                batch=batch,
+                prompt_tokens=sizes.decode_prompt,
+                step_ms=1e3 * step_s,
+                tokens_per_s=batch / step_s,
+                compiles=compilations.programs,
+            )
+        )
     return ttft_rows, decode_rows
 
 
@@ -126,13 +148,26 @@ def run(context: Context) -> list[Table]:
     sizes = context.sizes
     model = random_model(sizes)
     cfg = model.config
-    (ttft_rows, decode_rows), attn_impl, why = measure_with_fallback(context, "engine", lambda impl: measure(context, model, impl))
-    shapes = (f"{cfg.name} shapes ({cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads}/{cfg.num_kv_heads} heads "
-              f"of {cfg.head_dim}, vocab {cfg.vocab_size}), random bf16 weights, bf16 KV cache of {sizes.cache_tokens} tokens, "
-              f"tokens_per_block {sizes.tokens_per_block}, attention {why}")
+    (ttft_rows, decode_rows), _, why = measure_with_fallback(
+        context, "engine", lambda impl: measure(context, model, impl)
+    )
+    shapes = (
+        f"{cfg.name} shapes ({cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads}/{cfg.num_kv_heads} heads "
+        f"of {cfg.head_dim}, vocab {cfg.vocab_size}), random bf16 weights, bf16 KV cache of {sizes.cache_tokens} "
+        f"tokens, "
+        f"tokens_per_block {sizes.tokens_per_block}, attention {why}"
+    )
     return [
-        Table("Engine TTFT", f"{shapes}; median of {sizes.repeats} rounds after one untimed round; the hit caches "
-              f"{sizes.hit_fraction:.0%} of the prompt (whole blocks).", ttft_rows),
-        Table("Engine decode", f"{shapes}; {sizes.decode_tokens} tokens per sequence after a {sizes.decode_prompt}-token "
-              "prompt (one untimed run first); mean step time while every sequence decodes.", decode_rows),
+        Table(
+            "Engine TTFT",
+            f"{shapes}; median of {sizes.repeats} rounds after one untimed round; the hit caches "
+            f"{sizes.hit_fraction:.0%} of the prompt (whole blocks).",
+            ttft_rows,
+        ),
+        Table(
+            "Engine decode",
+            f"{shapes}; {sizes.decode_tokens} tokens per sequence after a {sizes.decode_prompt}-token "
+            "prompt (one untimed run first); mean step time while every sequence decodes.",
+            decode_rows,
+        ),
     ]

@@ -28,7 +28,9 @@ SMOLLM2_135M = ModelConfig(
 def random_model(sizes: Sizes, seed: int = 0) -> Model:
     """SmolLM2-135M's shapes (``sizes.model_layers`` / ``model_vocab`` override the layer count
     and vocabulary in the dry run), random bf16 weights, no tokenizer."""
-    overrides = {k: v for k, v in (("num_layers", sizes.model_layers), ("vocab_size", sizes.model_vocab)) if v is not None}
+    overrides = {
+        k: v for k, v in (("num_layers", sizes.model_layers), ("vocab_size", sizes.model_vocab)) if v is not None
+    }
     config = dataclasses.replace(SMOLLM2_135M, **overrides)
     params = init_params(config, seed, dtype=jnp.bfloat16)
     return Model(config=config, params=params, tokenizer=None, path=pathlib.Path(f"random-{config.name}"))

@@ -57,10 +57,14 @@ def _finite(value: object) -> object:
     return value
 
 
-def write(out: pathlib.Path, title: str, facts: dict[str, str], kernel_paths: list[dict], stages: list[StageResult]) -> str:
+def write(
+    out: pathlib.Path, title: str, facts: dict[str, str], kernel_paths: list[dict], stages: list[StageResult]
+) -> str:
     """Writes ``out/device_check.md`` and ``out/device_check.json``; returns the markdown."""
     text = render(title, facts, kernel_paths, stages)
     (out / "device_check.md").write_text(text)
-    data = dict(title=title, environment=facts, kernel_paths=kernel_paths, stages=[dataclasses.asdict(s) for s in stages])
+    data = dict(
+        title=title, environment=facts, kernel_paths=kernel_paths, stages=[dataclasses.asdict(s) for s in stages]
+    )
     (out / "device_check.json").write_text(json.dumps(_finite(data), indent=1))
     return text

@@ -31,7 +31,8 @@ class Sizes:
     bw_tokens_per_block: int
     bw_batches: tuple[int, ...]  # sequences per decode call
     bw_contexts: tuple[int, ...]  # tokens per sequence (each a multiple of bw_tokens_per_block)
-    bw_max_tokens: int  # largest batch x context measured: the pool holds this many tokens (< 2**31 elements per K or V)
+    # largest batch x context measured: the pool holds this many tokens (< 2**31 elements per K or V)
+    bw_max_tokens: int
     bw_dtypes: tuple[str, ...]  # page dtypes: "bfloat16", "int8", "fp8"
     bw_calls: int  # timed calls per point (after two untimed ones)
     bw_sweep_point: tuple[int, int]  # (batch, context) of the block-size sweep and the XLA baselines (bf16)

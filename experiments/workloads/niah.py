@@ -60,7 +60,9 @@ def _question(task: str, keys: list[str]) -> tuple[str, str, str]:
             f"The special magic numbers for {names} {where} are")
 
 
-def _needles(task: str, rng: np.random.Generator, num_needles: tuple[int, int], digits: int) -> tuple[list[tuple[str, str]], list[int], list[str]]:
+def _needles(
+    task: str, rng: np.random.Generator, num_needles: tuple[int, int], digits: int
+) -> tuple[list[tuple[str, str]], list[int], list[str]]:
     """(needles as (key, value), indices of the needles the question needs, queried keys)."""
     n = 1 if task == "niah_single" else int(rng.integers(num_needles[0], num_needles[1] + 1))
     pairs = rng.choice(len(_ADJECTIVES) * len(_NOUNS), size=n, replace=False)
@@ -76,7 +78,9 @@ def _needles(task: str, rng: np.random.Generator, num_needles: tuple[int, int], 
     return needles, list(range(n)), keys
 
 
-def _haystack(tokenizer: Tokenizer, rng: np.random.Generator, essays: list[list[str]], budget: int, chunk_range: tuple[int, int]) -> list[list[str]]:
+def _haystack(
+    tokenizer: Tokenizer, rng: np.random.Generator, essays: list[list[str]], budget: int, chunk_range: tuple[int, int]
+) -> list[list[str]]:
     """Sentences of consecutive chunks of essay text, each at most a drawn target in
     ``chunk_range`` tokens, together at most ``budget`` tokens."""
     order = rng.permutation(len(essays))
@@ -159,7 +163,11 @@ def needle_haystack(
     if not 1 <= value_digits <= 18:
         raise ValueError(f"value_digits={value_digits} must be in [1, 18]")
     paths = [pathlib.Path(p) for p in (fetch_essays() if essays is None else essays)]
-    texts = [_sentences(p.read_text()) for p in sorted(paths, key=lambda p: p.name) if in_split(p.name, split, train_fraction)]
+    texts = [
+        _sentences(p.read_text())
+        for p in sorted(paths, key=lambda p: p.name)
+        if in_split(p.name, split, train_fraction)
+    ]
     texts = [t for t in texts if t]
     if not texts:
         raise ValueError(f"no essay text in split={split!r} of {len(paths)} file(s)")
@@ -176,7 +184,9 @@ def needle_haystack(
         budget = max_tokens - len(prefix) - len(suffix) - reserve * len(needles)
         chunks = _haystack(tokenizer, rng, texts, budget, chunk_range)
         if len(chunks) < len(needles):
-            raise ValueError(f"max_tokens={max_tokens} leaves {len(chunks)} chunk(s) for {len(needles)} needles; raise max_tokens")
+            raise ValueError(
+                f"max_tokens={max_tokens} leaves {len(chunks)} chunk(s) for {len(needles)} needles; raise max_tokens"
+            )
         slots = [int(s) for s in rng.choice(len(chunks), size=len(needles), replace=False)]
         for (key, value), slot in zip(needles, slots):
             _insert(tokenizer, rng, chunks[slot], NEEDLE.format(key=key, value=value), chunk_range[1])

@@ -26,10 +26,66 @@ from kvjax.model.tokenizer import Tokenizer
 
 TASKS = ("cross_chunk_binding", "two_hop", "scoped_override", "single_chunk")
 
-_FIRST = ["Ivan", "Mira", "Tomas", "Aiko", "Lena", "Omar", "Priya", "Jonas", "Sofia", "Mateo", "Hana", "Felix", "Nadia", "Ravi"]
-_LAST = ["Petrov", "Olsen", "Novak", "Tanaka", "Berg", "Haddad", "Rao", "Weber", "Costa", "Silva", "Kim", "Moreau", "Ivanova", "Singh"]
-_CODES = ["Falcon", "Juniper", "Cobalt", "Orchid", "Granite", "Harbor", "Saffron", "Quartz", "Willow", "Ember", "Nimbus", "Tundra"]
-_CITIES = ["Lyon", "Osaka", "Porto", "Krakow", "Denver", "Nairobi", "Quito", "Oslo", "Perth", "Seville", "Tbilisi", "Halifax"]
+_FIRST = [
+    "Ivan",
+    "Mira",
+    "Tomas",
+    "Aiko",
+    "Lena",
+    "Omar",
+    "Priya",
+    "Jonas",
+    "Sofia",
+    "Mateo",
+    "Hana",
+    "Felix",
+    "Nadia",
+    "Ravi",
+]
+_LAST = [
+    "Petrov",
+    "Olsen",
+    "Novak",
+    "Tanaka",
+    "Berg",
+    "Haddad",
+    "Rao",
+    "Weber",
+    "Costa",
+    "Silva",
+    "Kim",
+    "Moreau",
+    "Ivanova",
+    "Singh",
+]
+_CODES = [
+    "Falcon",
+    "Juniper",
+    "Cobalt",
+    "Orchid",
+    "Granite",
+    "Harbor",
+    "Saffron",
+    "Quartz",
+    "Willow",
+    "Ember",
+    "Nimbus",
+    "Tundra",
+]
+_CITIES = [
+    "Lyon",
+    "Osaka",
+    "Porto",
+    "Krakow",
+    "Denver",
+    "Nairobi",
+    "Quito",
+    "Oslo",
+    "Perth",
+    "Seville",
+    "Tbilisi",
+    "Halifax",
+]
 _OFFICES = ["north", "river", "harbor", "central", "hill", "garden", "station", "bridge", "market", "lake"]
 _PROJECTS = ["Atlas", "Beacon", "Cinder", "Delta", "Echo", "Fjord", "Gale", "Helix", "Iris", "Jade"]
 _FILLER = [
@@ -45,7 +101,18 @@ _FILLER = [
     "Most residents agreed that the {adj} {place} should stay open on weekends.",
 ]
 _ADJ = ["annual", "quiet", "modest", "sudden", "careful", "regional", "gradual", "seasonal", "minor", "steady"]
-_NOUN = ["garden", "bridge", "archive", "fountain", "warehouse", "tram line", "clinic", "harbor wall", "bakery", "school"]
+_NOUN = [
+    "garden",
+    "bridge",
+    "archive",
+    "fountain",
+    "warehouse",
+    "tram line",
+    "clinic",
+    "harbor wall",
+    "bakery",
+    "school",
+]
 _PLACE = ["town hall", "market square", "museum", "railway station", "park", "community center", "old mill", "pier"]
 
 
@@ -109,9 +176,14 @@ def _facts(task: str, rng: np.random.Generator) -> tuple[list[str], str, str, st
         project = _pick(rng, _PROJECTS, 1)[0]
         old, new = (str(r) for r in rng.choice(np.arange(100, 1000), size=2, replace=False))
         return (
-            [f"Update: the {project} project moved from room {old} to room {new}; later notes naming room {old} are outdated.",
-             f"The {project} project meets in room {old}."],
-            f"In which room does the {project} project meet now?", new, f"The {project} project now meets in room",
+            [
+                f"Update: the {project} project moved from room {old} to room {new}; later notes naming room {old} are "
+                f"outdated.",
+                f"The {project} project meets in room {old}.",
+            ],
+            f"In which room does the {project} project meet now?",
+            new,
+            f"The {project} project now meets in room",
         )
     if task == "single_chunk":
         number = str(rng.integers(1000, 10000))
@@ -175,7 +247,9 @@ def make_examples(
         for j in range(n):
             fact = facts[j] if j < len(facts) else None
             contents[order[j]] = _chunk_tokens(tokenizer, rng, int(rng.choice(lengths)), fact)
-        suffix = question_suffix(tokenizer, question, instruction="Answer with the value only.", stem=stem, system_prompt=system_prompt)
+        suffix = question_suffix(
+            tokenizer, question, instruction="Answer with the value only.", stem=stem, system_prompt=system_prompt
+        )
         examples.append(RagExample(
             task=task, prefix=prefix, chunks=tuple(contents), suffix=suffix, answer=answer,
             fact_chunks=tuple(int(order[j]) for j in range(len(facts))), question=question, gold_answers=(answer,),
@@ -185,5 +259,5 @@ def make_examples(
 
 def answer_matches(generated: str, gold: str) -> bool:
     """Whether the gold answer appears in the generated text (case- and space-insensitive)."""
-    norm = lambda s: " ".join(s.lower().replace(".", " ").replace(",", " ").split())  # noqa: E731
+    norm = lambda s: " ".join(s.lower().replace(".", " ").replace(",", " ").split())
     return f" {norm(gold)} " in f" {norm(generated)} "

@@ -90,15 +90,22 @@ def squad_multidoc(
         if len(examples) == num:
             break
         gold, question = questions[q_index]
-        suffix = question_suffix(tokenizer, question.question, instruction=INSTRUCTION, stem="", system_prompt=system_prompt)
+        suffix = question_suffix(
+            tokenizer, question.question, instruction=INSTRUCTION, stem="", system_prompt=system_prompt
+        )
         budget = max_tokens - len(prefix) - len(suffix) - len(chunk(gold))
         if budget < 0:
             continue
         article, context = paragraphs[gold].article, paragraphs[gold].context
         same = [i for i in by_article[article] if paragraphs[i].context != context]
         same = [same[j] for j in rng.permutation(len(same))][:num_distractors]
-        others = [i for i in range(len(paragraphs)) if paragraphs[i].article != article and paragraphs[i].context != context]
-        others = [others[j] for j in rng.choice(len(others), size=min(len(others), num_distractors - len(same)), replace=False)]
+        others = [
+            i for i in range(len(paragraphs)) if paragraphs[i].article != article and paragraphs[i].context != context
+        ]
+        others = [
+            others[j]
+            for j in rng.choice(len(others), size=min(len(others), num_distractors - len(same)), replace=False)
+        ]
         distractors = []
         for i in same + others:
             if len(chunk(i)) > budget:

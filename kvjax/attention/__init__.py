@@ -51,11 +51,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec
 
+from kvjax.attention import blocked, rows
 from kvjax.cache.quant import QuantizedPages
-
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import mosaic_gpu as paged_mosaic_gpu
-from kvjax.attention import blocked, rows
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention import gpu as partial_gpu
@@ -135,7 +134,10 @@ def _attend(
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     rest = () if q_positions is None else (q_positions,)
     if mesh is not None:
-        def local(q: jax.Array, kp: jax.Array, vp: jax.Array, lengths: jax.Array, table: jax.Array, *rest: jax.Array) -> jax.Array:
+
+        def local(
+            q: jax.Array, kp: jax.Array, vp: jax.Array, lengths: jax.Array, table: jax.Array, *rest: jax.Array
+        ) -> jax.Array:
             return _attend(op, q, kp, vp, lengths, table, *(rest or (None,)), **options, impl=impl,
                            interpret_kernel=interpret_kernel, mesh=None)
 

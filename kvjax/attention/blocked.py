@@ -3,7 +3,8 @@ kernel (CPU).
 
 Same contract as ``partial_attention_ref``, computed the way the kernels compute it: query
 rows in blocks of ``block_q``, and for each query block an online softmax over key blocks
-of ``block_k`` slots, with the kernels' own step (``pallas_kernels.common.softmax_step``). The loop's trip count is dynamic: a query block visits only the key
+of ``block_k`` slots, with the kernels' own step (``pallas_kernels.common.softmax_step``). The loop's trip count is
+dynamic: a query block visits only the key
 blocks between its lowest visible position (the sliding window) and its highest query
 position, so the attention work follows the causal triangle and the sequence's actual
 length, not the block table's width (only the one gather of each sequence's page run
@@ -85,8 +86,14 @@ def partial_attention(
     )
     options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
     blocks = [
-        query_block(q[:, i * rows : (i + 1) * rows], q_positions[:, i * rows : (i + 1) * rows], k_blocks, v_blocks, lengths,
-                    **options)
+        query_block(
+            q[:, i * rows : (i + 1) * rows],
+            q_positions[:, i * rows : (i + 1) * rows],
+            k_blocks,
+            v_blocks,
+            lengths,
+            **options,
+        )
         for i in range(num_query_blocks)
     ]
     return jnp.concatenate(blocks, axis=1)[:, :num_queries].astype(q.dtype)
@@ -133,8 +140,13 @@ def query_block(
         return softmax_step(carry, qg, k_blocks[j], v_blocks[j], visible, sm_scale=1.0, logit_soft_cap=logit_soft_cap)
 
     carry = over_key_blocks(
-        attend, initial_carry((qb.shape[0], num_kv_heads, group * qb.shape[1]), head_dim), num_key_blocks=num_key_blocks,
-        block=slots_per_block, lowest=lowest, highest=highest, sliding_window=sliding_window,
+        attend,
+        initial_carry((qb.shape[0], num_kv_heads, group * qb.shape[1]), head_dim),
+        num_key_blocks=num_key_blocks,
+        block=slots_per_block,
+        lowest=lowest,
+        highest=highest,
+        sliding_window=sliding_window,
     )
     out = normalized(carry, query_pos[:, None, :, 0] >= 0)
     return rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
@@ -231,7 +243,7 @@ def paged_attention(
     """
     check_inputs(q, None, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
                  logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales)
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs, _, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
     k, v = (
         _gather(pages, scales, page_indices).reshape(num_seqs, -1, num_kv_heads, head_dim)

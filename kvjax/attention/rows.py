@@ -89,7 +89,9 @@ def row_attention(
     num_key_blocks = -(-kv_len // block_k)
     key_pad = num_key_blocks * block_k - kv_len
     k_blocks, v_blocks = (
-        rearrange(jnp.pad(x.astype(jnp.float32), ((0, key_pad), (0, 0), (0, 0))), "(n k) h d -> n h k d", k=block_k)[:, None]
+        rearrange(jnp.pad(x.astype(jnp.float32), ((0, key_pad), (0, 0), (0, 0))), "(n k) h d -> n h k d", k=block_k)[
+            :, None
+        ]
         for x in (k, v)
     )  # [n, 1, h, k, d] float32, one sequence: both products run in float32
     rows = min(block_q, num_queries)

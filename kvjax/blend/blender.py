@@ -103,7 +103,9 @@ class BlendPrompt:
     def roles(self) -> Roles:
         spans = tuple((s, s + len(c)) for s, c in zip(self.chunk_starts, self.chunks))
         end = spans[-1][1] if spans else len(self.prefix)
-        return Roles(num_tokens=end + len(self.suffix), prefix_len=len(self.prefix), chunk_spans=spans, suffix_start=end)
+        return Roles(
+            num_tokens=end + len(self.suffix), prefix_len=len(self.prefix), chunk_spans=spans, suffix_start=end
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,12 +236,22 @@ class Blender:
             scope = f"eval-{self._nonce}-{next(self._runs)}"
             if isinstance(policy, str):
                 if policy != FULL_RECOMPUTE or feed or num_probes:
-                    raise ValueError(f"policy={policy!r}: the only named policy is {FULL_RECOMPUTE!r}, without feed or probes")
+                    raise ValueError(
+                        f"policy={policy!r}: the only named policy is {FULL_RECOMPUTE!r}, without feed or probes"
+                    )
                 rid = self.engine.submit(tokens, sampling, cache_salt=scope, retention=EVALUATION_RETENTION)
             else:
                 reuse = ChunkReuse(
-                    self.store, prompt.roles.chunk_spans, policy, num_prompt_logits=len(feed) + 1, num_probes=num_probes,
-                    scores=scores, scope=scope, token_bucket=self.token_bucket, pipelined=pipelined, timeline=timeline,
+                    self.store,
+                    prompt.roles.chunk_spans,
+                    policy,
+                    num_prompt_logits=len(feed) + 1,
+                    num_probes=num_probes,
+                    scores=scores,
+                    scope=scope,
+                    token_bucket=self.token_bucket,
+                    pipelined=pipelined,
+                    timeline=timeline,
                 )
                 rid = self.engine.submit(tokens, sampling, chunks=reuse, retention=EVALUATION_RETENTION)
                 scope = reuse.salt
@@ -252,8 +264,14 @@ class Blender:
                 raise RuntimeError(f"policy {policy!r} failed in request {rid!r}: {out.error}")
         runs = []
         for (policy, _, scope), (trace, out) in zip(submitted, done):
-            logits = np.stack(out.logits) if out.prompt_logits is None else np.concatenate([out.prompt_logits, *(x[None] for x in out.logits[1:])])
-            checks = schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
+            logits = (
+                np.stack(out.logits)
+                if out.prompt_logits is None
+                else np.concatenate([out.prompt_logits, *(x[None] for x in out.logits[1:])])
+            )
+            checks = (
+                schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
+            )
             runs.append(PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=trace,
                                   report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks, feed=feed))
         return runs
@@ -283,14 +301,19 @@ class Blender:
             full = len(tokens) // ps * ps
             if lease.covered[0] < full:
                 raise RuntimeError(
-                    f"run {run.scope!r} has {lease.covered[0]} of its prompt's {full} full-block tokens cached: its blocks "
+                    f"run {run.scope!r} has {lease.covered[0]} of its prompt's {full} full-block tokens cached: its "
+                    f"blocks "
                     "were evicted"
                 )
             padded = -(-full // _READ_BUCKET) * _READ_BUCKET  # a few gather shapes, not one per prompt length
             page_ids, offsets, _ = self.store.slots(lease.tables[0], range(full), padded, 0)
             pool, groups = self.engine.pool, self.engine.layout.layer_group
-            k = np.stack([np.asarray(read_slots(pool.k[l], page_ids[g], offsets))[:full] for l, g in enumerate(groups)])
-            v = np.stack([np.asarray(read_slots(pool.v[l], page_ids[g], offsets))[:full] for l, g in enumerate(groups)])
+            k = np.stack(
+                [np.asarray(read_slots(pool.k[layer], page_ids[g], offsets))[:full] for layer, g in enumerate(groups)]
+            )
+            v = np.stack(
+                [np.asarray(read_slots(pool.v[layer], page_ids[g], offsets))[:full] for layer, g in enumerate(groups)]
+            )
         finally:
             self.store.release(lease)
         return k, v
@@ -323,7 +346,9 @@ class Blender:
             sampling = SamplingParams(max_new_tokens=ext.max_new_tokens, ignore_eos=ext.stop_token_id is None,
                                       stop_token_id=ext.stop_token_id, prompt_logits=ext.prompt_logits)
             tokens = [*ext.run.prompt.tokens.tolist(), *feed]
-            pending.append(self.engine.submit(tokens, sampling, cache_salt=ext.run.scope, retention=EVALUATION_RETENTION))
+            pending.append(
+                self.engine.submit(tokens, sampling, cache_salt=ext.run.scope, retention=EVALUATION_RETENTION)
+            )
         while not all(self.engine.requests[rid].finished for rid in pending):
             self.engine.step()
         outputs = [self.engine.pop_output(rid) for rid in pending]
@@ -333,9 +358,12 @@ class Blender:
                 raise RuntimeError(f"extension request {out.request_id!r} failed: {out.error}")
             if out.num_reused_tokens < needed:
                 raise RuntimeError(
-                    f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens of its run's KV but the "
-                    f"prompt's chunks end at token {needed} ({ext.run.prompt.describe()}): the run's blocks were evicted "
-                    f"(raise the cache size) or, as its chunks end in its last partial page, it ran without fill_last_page"
+                    f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens of its run's KV but "
+                    f"the "
+                    f"prompt's chunks end at token {needed} ({ext.run.prompt.describe()}): the run's blocks were "
+                    f"evicted "
+                    f"(raise the cache size) or, as its chunks end in its last partial page, it ran without "
+                    f"fill_last_page"
                 )
         return self._served_logits(extensions, outputs)
 
@@ -359,7 +387,9 @@ class Blender:
 
         runs = {id(ext.run): ext.run for ext in extensions}
         for run in runs.values():
-            learn(run, (*run.prompt.tokens.tolist(), *run.feed, *run.tokens), run.logits, run.prompt.roles.num_tokens - 1)
+            learn(
+                run, (*run.prompt.tokens.tolist(), *run.feed, *run.tokens), run.logits, run.prompt.roles.num_tokens - 1
+            )
         for ext, out in zip(extensions, outputs):
             if out.prompt_logits is not None:
                 tokens = (*ext.run.prompt.tokens.tolist(), *ext.feed)
@@ -374,9 +404,15 @@ class Blender:
             positions = range(len(tokens) - ext.prompt_logits, len(tokens))
             missing = [p for p in positions if (id(ext.run), tokens[: p + 1]) not in known]
             if missing:
-                raise RuntimeError(f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens, but no run or "
-                                   f"sibling extension computed the logits at positions {missing}")
-            completed.append(dataclasses.replace(out, prompt_logits=np.stack([known[id(ext.run), tokens[: p + 1]] for p in positions])))
+                raise RuntimeError(
+                    f"extension request {out.request_id!r} reused {out.num_reused_tokens} tokens, but no run or "
+                    f"sibling extension computed the logits at positions {missing}"
+                )
+            completed.append(
+                dataclasses.replace(
+                    out, prompt_logits=np.stack([known[id(ext.run), tokens[: p + 1]] for p in positions])
+                )
+            )
         return completed
 
     def exact_prefix_len(self, prompt: BlendPrompt) -> int:
@@ -387,4 +423,4 @@ class Blender:
         return exact
 
 
-__all__ = ["BlendPrompt", "Blender", "EVALUATION_RETENTION", "Extension", "FULL_RECOMPUTE", "PolicyRun"]
+__all__ = ["EVALUATION_RETENTION", "FULL_RECOMPUTE", "BlendPrompt", "Blender", "Extension", "PolicyRun"]

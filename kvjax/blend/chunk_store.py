@@ -100,7 +100,7 @@ class ChunkStore:
 
     def __init__(
         self,
-        engine: "Engine",
+        engine: Engine,
         *,
         variant: Variant = "system",
         prefix_tokens: Sequence[int] = (),
@@ -115,7 +115,8 @@ class ChunkStore:
         if engine.uses_manager_v2:
             raise ValueError(
                 "a ChunkStore needs the V1 manager: CacheBlend chunks are not supported by Manager V2 "
-                "(use_kv_cache_manager_v2, or 'auto' choosing V2); build the engine with use_kv_cache_manager_v2='false'"
+                "(use_kv_cache_manager_v2, or 'auto' choosing V2); build the engine with "
+                "use_kv_cache_manager_v2='false'"
             )
         self.engine = engine
         self.variant = variant
@@ -186,8 +187,11 @@ class ChunkStore:
         if self.num_cached(tokens) >= len(tokens):
             return len(tokens)
         rid = self.engine.submit(
-            self.stored_tokens(tokens), SamplingParams(max_new_tokens=1, ignore_eos=True),
-            retention=self.retention, cache_salt=self.salt, request_id=InternalScope(f"{self.salt}/store-{next(self._ids)}"),
+            self.stored_tokens(tokens),
+            SamplingParams(max_new_tokens=1, ignore_eos=True),
+            retention=self.retention,
+            cache_salt=self.salt,
+            request_id=InternalScope(f"{self.salt}/store-{next(self._ids)}"),
         )
         record = self.engine.requests[rid]
         while not record.finished:
@@ -242,7 +246,9 @@ class ChunkStore:
         Returns:
           (page_ids [G, padded] int32, offsets [padded] int32, valid [padded] bool).
         """
-        return sequence_slots(tables, np.asarray(stored), np.arange(at, at + len(stored)), padded, self.tokens_per_block)
+        return sequence_slots(
+            tables, np.asarray(stored), np.arange(at, at + len(stored)), padded, self.tokens_per_block
+        )
 
 
-__all__ = ["ChunkStore", "Lease", "PAD", "SENTINEL", "StoreStats", "VARIANTS", "Variant"]
+__all__ = ["PAD", "SENTINEL", "VARIANTS", "ChunkStore", "Lease", "StoreStats", "Variant"]

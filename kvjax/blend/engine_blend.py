@@ -126,7 +126,11 @@ class ChunkReuse:
             raise ValueError(f"chunks.selection must be a SelectionConfig, got {type(self.selection).__name__}")
         n, last = len(prompt), 0
         for i, span in enumerate(self.spans):
-            if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+            if not (
+                isinstance(span, tuple)
+                and len(span) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+            ):
                 raise ValueError(f"chunks.spans[{i}]={span!r} must be a (start, end) pair of ints")
             s, e = span
             if not last <= s < e <= n - 1:
@@ -136,10 +140,20 @@ class ChunkReuse:
                 )
             last = e
         suffix = self.spans[-1][1] if self.spans else 0
-        for field, value, low, high in (("num_prompt_logits", self.num_prompt_logits, 1, n - suffix),
-                                        ("num_probes", self.num_probes, 0, None), ("token_bucket", self.token_bucket, 1, None)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-                raise ValueError(f"chunks.{field}={value!r} must be an int in [{low}, {high if high is not None else 'inf'})")
+        for field, value, low, high in (
+            ("num_prompt_logits", self.num_prompt_logits, 1, n - suffix),
+            ("num_probes", self.num_probes, 0, None),
+            ("token_bucket", self.token_bucket, 1, None),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < low
+                or (high is not None and value > high)
+            ):
+                raise ValueError(
+                    f"chunks.{field}={value!r} must be an int in [{low}, {high if high is not None else 'inf'})"
+                )
         for field in ("pipelined", "timeline"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"chunks.{field}={getattr(self, field)!r} must be a bool")
@@ -170,7 +184,9 @@ class ChunkReuse:
         return (id(self.store), self.spans, tuple(prompt), num_cached, scope, self.num_prompt_logits, self.token_bucket,
                 self.pipelined)
 
-    def prefill(self, context: StepContext, batch: Sequence[ChunkedWork]) -> list[tuple[jax.Array, dict | None, BlendReport]]:
+    def prefill(
+        self, context: StepContext, batch: Sequence[ChunkedWork]
+    ) -> list[tuple[jax.Array, dict | None, BlendReport]]:
         """The engine's call for the prompts of ``batch`` (this request's first, the others
         with its ``batch_key``): ``blended_prefill``."""
         return blended_prefill(context, batch)
@@ -211,7 +227,9 @@ class BlendReport:
     timeline: dict[str, list[dict]] | None = None
 
 
-def blended_prefill(context: StepContext, batch: Sequence[ChunkedWork]) -> list[tuple[jax.Array, dict | None, BlendReport]]:
+def blended_prefill(
+    context: StepContext, batch: Sequence[ChunkedWork]
+) -> list[tuple[jax.Array, dict | None, BlendReport]]:
     """Blended prefill of scheduled requests (one, or several with one ``batch_key``: the same
     prompt and chunks under different selections) into their allocated pages. The chunks are
     looked up and their slots placed once; ``fusor.blend_prefill`` reads each layer's reused
@@ -230,7 +248,9 @@ def blended_prefill(context: StepContext, batch: Sequence[ChunkedWork]) -> list[
     head = batch[0]
     reuse, prompt, num_cached = head.reuse, head.prompt, head.num_cached
     if any(w.reuse.batch_key(w.prompt, w.num_cached) != reuse.batch_key(prompt, num_cached) for w in batch[1:]):
-        raise ValueError("the requests of one blended prefill must share their prompt, chunks and cached tokens (batch_key)")
+        raise ValueError(
+            "the requests of one blended prefill must share their prompt, chunks and cached tokens (batch_key)"
+        )
     store, manager, layout = reuse.store, context.manager, context.layout
     cfg = context.cfg
     n = len(prompt)
@@ -311,18 +331,42 @@ def blended_prefill(context: StepContext, batch: Sequence[ChunkedWork]) -> list[
         inputs, plans = [], []
         for work, tables in zip(batch, own):
             sel = plan(
-                Roles(num_tokens=n, prefix_len=max(num_cached, p), chunk_spans=tuple(spans), suffix_start=roles.suffix_start),
-                work.reuse.selection, padded, cfg.num_layers, forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
-                num_cached=num_cached, exact_len=exact_len, scores=work.reuse.scores,
+                Roles(
+                    num_tokens=n,
+                    prefix_len=max(num_cached, p),
+                    chunk_spans=tuple(spans),
+                    suffix_start=roles.suffix_start,
+                ),
+                work.reuse.selection,
+                padded,
+                cfg.num_layers,
+                forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
+                num_cached=num_cached,
+                exact_len=exact_len,
+                scores=work.reuse.scores,
             )
             block_table = np.full((len(tables), width), NULL_PAGE, np.int32)
             for g, table in enumerate(tables):
                 block_table[g, : len(table)] = table
-            inputs.append(BlendInputs(
-                tokens=tokens, positions=positions, page_ids=page_ids, offsets=offsets, reused=valid, deltas=deltas,
-                selectable=in_spans, forced=forced_mask, rows=sel.rows, rows_valid=sel.rows_valid, counts=sel.counts,
-                block_table=block_table, length=np.asarray([n], np.int32), probes=probes, num_cached=np.int32(num_cached),
-            ))
+            inputs.append(
+                BlendInputs(
+                    tokens=tokens,
+                    positions=positions,
+                    page_ids=page_ids,
+                    offsets=offsets,
+                    reused=valid,
+                    deltas=deltas,
+                    selectable=in_spans,
+                    forced=forced_mask,
+                    rows=sel.rows,
+                    rows_valid=sel.rows_valid,
+                    counts=sel.counts,
+                    block_table=block_table,
+                    length=np.asarray([n], np.int32),
+                    probes=probes,
+                    num_cached=np.int32(num_cached),
+                )
+            )
             plans.append(BlendPlan(checks=sel.checks, score=sel.score, num_probes=reuse.num_probes,
                                    num_logits=reuse.num_prompt_logits))
         load_s = time.perf_counter() - t0

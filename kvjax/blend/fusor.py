@@ -186,7 +186,9 @@ def blend_layer(
     return rows.replace(x=x), seq_k, seq_v, out
 
 
-def read_layer(k_pages: Pages, v_pages: Pages, inputs: BlendInputs, *, cfg: ModelConfig, layout: CacheLayout, layer: int) -> tuple[jax.Array, jax.Array]:
+def read_layer(
+    k_pages: Pages, v_pages: Pages, inputs: BlendInputs, *, cfg: ModelConfig, layout: CacheLayout, layer: int
+) -> tuple[jax.Array, jax.Array]:
     """One layer's reused KV at the actual positions, read from the pool's slots: keys
     re-rotated by ``deltas``, zeros where a token has no stored KV. Traceable.
 
@@ -225,7 +227,9 @@ def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInpu
     return RowState(idx=inputs.rows, valid=inputs.rows_valid, x=x)
 
 
-def last_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int) -> jax.Array:
+def last_logits(
+    params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int
+) -> jax.Array:
     """Logits [num, v] of the rows at the ``num`` highest valid positions, in position order."""
     row_pos = jnp.where(rows.valid, positions[rows.idx], -1)
     _, top = jax.lax.top_k(row_pos, num)
@@ -245,7 +249,9 @@ def _probe_attention(inputs: BlendInputs, rows: RowState, out: jax.Array) -> jax
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "checks", "score", "num_probes", "attn_impl"), donate_argnames=("k_pages", "v_pages")
+    jax.jit,
+    static_argnames=("cfg", "layout", "checks", "score", "num_probes", "attn_impl"),
+    donate_argnames=("k_pages", "v_pages"),
 )
 def _check_phase(
     params: transformer.Params,
@@ -294,7 +300,14 @@ def _check_phase(
             params.layers[layer], cfg, layout, layer, rows, seq_k, seq_v, inputs, check, score, attn_impl,
         )
         k_pages[layer], v_pages[layer] = write_layer_fused(
-            k_pages[layer], v_pages[layer], seq_k[None], seq_v[None], inputs.block_table[None], inputs, layout=layout, layer=layer,
+            k_pages[layer],
+            v_pages[layer],
+            seq_k[None],
+            seq_v[None],
+            inputs.block_table[None],
+            inputs,
+            layout=layout,
+            layer=layer,
         )
         masks.append(_recomputed(inputs, rows))
         if num_probes:
@@ -304,7 +317,9 @@ def _check_phase(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "layout", "layer", "num_probes", "attn_impl"), donate_argnames=("k_pages", "v_pages")
+    jax.jit,
+    static_argnames=("cfg", "layout", "layer", "num_probes", "attn_impl"),
+    donate_argnames=("k_pages", "v_pages"),
 )
 def layer_step(
     lp: transformer.LayerParams,
@@ -344,7 +359,9 @@ def layer_step(
         return blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, CheckScore(), attn_impl)
 
     rows, fused_k, fused_v, out = jax.vmap(variant)(rows)
-    k_pages, v_pages = write_layer_fused(k_pages, v_pages, fused_k, fused_v, block_tables, inputs, layout=layout, layer=layer)
+    k_pages, v_pages = write_layer_fused(
+        k_pages, v_pages, fused_k, fused_v, block_tables, inputs, layout=layout, layer=layer
+    )
     recomputed = jax.vmap(lambda r: _recomputed(inputs, r))(rows)
     trace = (jax.vmap(lambda r, o: _probe_attention(inputs, r, o))(rows, out), fused_k, fused_v) if num_probes else None
     return rows, k_pages, v_pages, recomputed, trace
@@ -361,7 +378,9 @@ initial_rows_jit = jax.jit(initial_rows, static_argnames=("cfg",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num"))
-def cohort_logits(params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int) -> jax.Array:
+def cohort_logits(
+    params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int
+) -> jax.Array:
     """``last_logits`` of B variants' stacked rows (idx, valid [B, M], x [B, M, D]): [B, num, v]."""
     return jax.vmap(lambda r: last_logits(params, cfg, r, positions, num))(rows)
 
@@ -495,9 +514,14 @@ def blend_prefill(
     if len(inputs) != len(plans) or not plans:
         raise ValueError(f"got {len(inputs)} inputs and {len(plans)} plans: one of each per variant, at least one")
     if len({(p.num_logits, p.num_probes) for p in plans}) > 1 or (plans[0].num_probes and len(plans) > 1):
-        raise ValueError("the variants of one blended prefill must share num_logits and num_probes, and only one may trace probes")
+        raise ValueError(
+            "the variants of one blended prefill must share num_logits and num_probes, and only one may trace probes"
+        )
     if inputs[0].tokens.shape[0] % layout.tokens_per_block:
-        raise ValueError(f"padded tokens T={inputs[0].tokens.shape[0]} must be a multiple of tokens_per_block={layout.tokens_per_block}")
+        raise ValueError(
+            f"padded tokens T={inputs[0].tokens.shape[0]} must be a multiple of "
+            f"tokens_per_block={layout.tokens_per_block}"
+        )
     clock = _PhaseClock(phases)
     host_tables = [np.asarray(x.block_table) for x in inputs]
     inputs = [jax.device_put(x) for x in inputs]
@@ -524,7 +548,12 @@ def blend_prefill(
         for b, (first, plan) in enumerate(zip(firsts, plans)):
             if first:
                 rows[b], k_pages[:first], v_pages[:first], masks[b], probes, features, traced = _check_phase(
-                    params, tuple(k_pages[:first]), tuple(v_pages[:first]), inputs[b], checks=plan.checks, score=plan.score,
+                    params,
+                    tuple(k_pages[:first]),
+                    tuple(v_pages[:first]),
+                    inputs[b],
+                    checks=plan.checks,
+                    score=plan.score,
                     **options,
                 )
                 fused = list(traced)
@@ -533,8 +562,10 @@ def blend_prefill(
             else:
                 rows[b] = initial_rows_jit(params, cfg=cfg, inputs=inputs[b])
         clock.lap("check_layers", [r.x for r in rows])
-        row_inputs = jax.device_put(inputs[0].replace(**_NO_INITIAL_ROWS))  # one step program per row count, any schedule
-        cohorts: dict[int, tuple[list[int], RowState, jax.Array]] = {}  # row capacity -> (variants, stacked rows, block tables)
+        # one step program per row count, any schedule
+        row_inputs = jax.device_put(inputs[0].replace(**_NO_INITIAL_ROWS))
+        # row capacity -> (variants, stacked rows, block tables)
+        cohorts: dict[int, tuple[list[int], RowState, jax.Array]] = {}
         for layer in range(min(firsts), cfg.num_layers + 1):  # variants join at their first row layer (or at the end)
             joining = [b for b, first in enumerate(firsts) if first == layer]
             for capacity in dict.fromkeys(rows[b].idx.shape[0] for b in joining):

@@ -13,7 +13,8 @@ whose load still hides behind the recompute at a given ratio (load ≤ headroom 
 no delay. The headroom (default 0.8) keeps the hidden side clear of the other by the
 predictions' error: planned exactly at the break-even, a layer that computes a few percent
 slower than predicted turns the whole prefill compute-bound. Without the overlap (serial
-onboarding) nothing hides and the ratio is ``min_ratio``. Both sides are measured on this machine, on first use: the tiers' per-layer reads
+onboarding) nothing hides and the ratio is ``min_ratio``. Both sides are measured on this machine, on first use: the
+tiers' per-layer reads
 through the engine's own ``HostPool`` (``measure_tier``: throttled like the engine's tiers), and
 the cost of the blended prefill's layer step at two row counts (``measure_recompute``, cached in
 the kvjax cache folder per model, geometry, machine and jax version). The device tier's load
@@ -63,7 +64,9 @@ class TierSpec:
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or self.latency < 0:
-            raise ValueError(f"tier {self.name!r}: bandwidth={self.bandwidth} must be > 0 and latency={self.latency} >= 0")
+            raise ValueError(
+                f"tier {self.name!r}: bandwidth={self.bandwidth} must be > 0 and latency={self.latency} >= 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +163,9 @@ def measure_recompute(
         return RecomputeCost(**json.loads(path.read_text()))
     ps = layout.tokens_per_block
     t = -(-num_tokens // ps) * ps
-    probe = dataclasses.replace(layout, num_pages=(t // ps + 1,) * layout.num_groups, num_host_pages=0, num_disk_pages=0)
+    probe = dataclasses.replace(
+        layout, num_pages=(t // ps + 1,) * layout.num_groups, num_host_pages=0, num_disk_pages=0
+    )
     layer = transformer.layer_kind(cfg, probe, cfg.num_layers - 1)
     pool = init_pool(probe)
     k_pages, v_pages = pool.k[layer], pool.v[layer]
@@ -169,25 +174,50 @@ def measure_recompute(
     times = []
     for m in rows:
         picked = np.linspace(0, num_tokens - 1, m).round().astype(np.int32)  # rows spread over the prompt
-        inputs = jax.device_put(BlendInputs(
-            tokens=np.zeros(t, np.int32), positions=np.where(idx < num_tokens, idx, -1).astype(np.int32),
-            page_ids=np.tile(idx // ps + 1, (layout.num_groups, 1)).astype(np.int32), offsets=(idx % ps).astype(np.int32),
-            reused=idx < num_tokens, deltas=np.zeros(t, np.int32), selectable=idx < num_tokens, forced=np.zeros(t, bool),
-            rows=picked, rows_valid=np.ones(m, bool), counts=np.zeros(0, np.int32), block_table=np.tile(table, (layout.num_groups, 1)),
-            length=np.asarray([num_tokens], np.int32), probes=np.zeros(0, np.int32), num_cached=np.int32(0),
-        ))
+        inputs = jax.device_put(
+            BlendInputs(
+                tokens=np.zeros(t, np.int32),
+                positions=np.where(idx < num_tokens, idx, -1).astype(np.int32),
+                page_ids=np.tile(idx // ps + 1, (layout.num_groups, 1)).astype(np.int32),
+                offsets=(idx % ps).astype(np.int32),
+                reused=idx < num_tokens,
+                deltas=np.zeros(t, np.int32),
+                selectable=idx < num_tokens,
+                forced=np.zeros(t, bool),
+                rows=picked,
+                rows_valid=np.ones(m, bool),
+                counts=np.zeros(0, np.int32),
+                block_table=np.tile(table, (layout.num_groups, 1)),
+                length=np.asarray([num_tokens], np.int32),
+                probes=np.zeros(0, np.int32),
+                num_cached=np.int32(0),
+            )
+        )
         state = RowState(idx=jnp.asarray(picked)[None], valid=jnp.ones((1, m), bool),
                          x=jnp.asarray(np.random.default_rng(0).normal(size=(1, m, cfg.d_model)), params.embed.dtype))
 
-        def step() -> None:
+        def step(state: RowState = state, inputs: BlendInputs = inputs) -> None:
             nonlocal k_pages, v_pages
-            out, k_pages, v_pages, _, _ = layer_step(params.layers[layer], state, k_pages, v_pages, inputs, inputs.block_table[None], cfg=cfg,
-                                                     layout=probe, layer=layer, num_probes=0, attn_impl=attn_impl)
+            out, k_pages, v_pages, _, _ = layer_step(
+                params.layers[layer],
+                state,
+                k_pages,
+                v_pages,
+                inputs,
+                inputs.block_table[None],
+                cfg=cfg,
+                layout=probe,
+                layer=layer,
+                num_probes=0,
+                attn_impl=attn_impl,
+            )
             jax.block_until_ready(out.x)
 
         times.append(_timed(step, repeats))
     slope, fixed = np.polyfit(np.asarray(rows, float), np.asarray(times), 1)
-    cost = RecomputeCost(fixed_s=max(0.0, float(fixed)), seconds_per_token_layer=max(float(slope), 1e-12), num_tokens=num_tokens)
+    cost = RecomputeCost(
+        fixed_s=max(0.0, float(fixed)), seconds_per_token_layer=max(float(slope), 1e-12), num_tokens=num_tokens
+    )
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(cost)))
@@ -244,9 +274,19 @@ class LoadingController:
         self.headroom = headroom
 
     @classmethod
-    def measured(cls, params: transformer.Params, cfg: ModelConfig, layout: CacheLayout, throttles: dict[str, TierThrottle],
-                 num_tokens: int, *, min_ratio: float = 0.15, headroom: float = 0.8, disk_dir: str | None = None,
-                 attn_impl: attention.Impl = "auto") -> "LoadingController":
+    def measured(
+        cls,
+        params: transformer.Params,
+        cfg: ModelConfig,
+        layout: CacheLayout,
+        throttles: dict[str, TierThrottle],
+        num_tokens: int,
+        *,
+        min_ratio: float = 0.15,
+        headroom: float = 0.8,
+        disk_dir: str | None = None,
+        attn_impl: attention.Impl = "auto",
+    ) -> LoadingController:
         """A controller from this machine's measurements: the device tier (free), the host tier,
         and the disk tier when ``layout`` has one, each read through ``throttles``
         (``HostPool.throttles``); the recompute cost at ``num_tokens`` tokens."""
@@ -265,7 +305,9 @@ class LoadingController:
 
     def break_even_ratio(self, tier: str, num_tokens: int, share: float = 1.0) -> float:
         """Ratio whose recompute takes ``share`` of ``tier``'s load time (0 when even no rows do)."""
-        return max(0.0, share * self.load_time(tier, num_tokens) - self.fixed_s) / (num_tokens * self.seconds_per_token_layer)
+        return max(0.0, share * self.load_time(tier, num_tokens) - self.fixed_s) / (
+            num_tokens * self.seconds_per_token_layer
+        )
 
     def choose_ratio(self, tier: str, num_tokens: int, overlapped: bool = True) -> float:
         """``max(min_ratio, break_even_ratio(..., headroom))``, capped at 1; ``min_ratio`` when

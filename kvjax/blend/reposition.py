@@ -46,5 +46,6 @@ def reposition_layers(
     if len(keys) != cfg.num_layers:
         raise ValueError(f"got keys for {len(keys)} layers; the model has num_layers={cfg.num_layers}")
     return tuple(
-        reposition_keys(k, deltas, cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer]) for layer, k in enumerate(keys)
+        reposition_keys(k, deltas, cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer])
+        for layer, k in enumerate(keys)
     )

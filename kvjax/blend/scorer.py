@@ -55,7 +55,9 @@ def oracle_labels(roles: Roles, true_deviation: np.ndarray, ratio: float) -> np.
     return labels
 
 
-def training_set(roles: list[Roles], features: list[np.ndarray], true_deviations: list[np.ndarray], ratio: float) -> TrainingSet:
+def training_set(
+    roles: list[Roles], features: list[np.ndarray], true_deviations: list[np.ndarray], ratio: float
+) -> TrainingSet:
     """The chunk tokens of each prompt with their features ([T, F] from a trace) and oracle labels."""
     if not len(roles) == len(features) == len(true_deviations) or not roles:
         raise ValueError(f"roles, features and true_deviations must be equally long and non-empty, got "
@@ -71,7 +73,9 @@ def training_set(roles: list[Roles], features: list[np.ndarray], true_deviations
     return TrainingSet(np.concatenate(xs), np.concatenate(ys), np.concatenate(ps))
 
 
-def train_scorer(data: TrainingSet, *, hidden: int = 8, steps: int = 400, learning_rate: float = 0.01, seed: int = 0) -> tuple[float, ...]:
+def train_scorer(
+    data: TrainingSet, *, hidden: int = 8, steps: int = 400, learning_rate: float = 0.01, seed: int = 0
+) -> tuple[float, ...]:
     """Fits the scorer MLP; returns its flat parameters (``selection.mlp_score`` layout).
 
     Args:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -111,14 +112,19 @@ class SelectionConfig:
             value = getattr(self, name)
             require(isinstance(value, (list, tuple)), f"{name}={value!r} must be a list or tuple")
             object.__setattr__(self, name, tuple(value))
-        require(isinstance(self.selector, str) and self.selector in SELECTORS, f"selector={self.selector!r} must be one of {SELECTORS}")
+        require(
+            isinstance(self.selector, str) and self.selector in SELECTORS,
+            f"selector={self.selector!r} must be one of {SELECTORS}",
+        )
         require(
             number(self.recompute_ratio) and 0.0 <= self.recompute_ratio <= 1.0,
             f"recompute_ratio={self.recompute_ratio!r} must be a number in [0, 1]",
         )
         require(
             all(isinstance(c, int) and not isinstance(c, bool) for c in self.check_layers)
-            and bool(self.check_layers) and self.check_layers[0] >= 1 and list(self.check_layers) == sorted(set(self.check_layers)),
+            and bool(self.check_layers)
+            and self.check_layers[0] >= 1
+            and list(self.check_layers) == sorted(set(self.check_layers)),
             f"check_layers={self.check_layers!r} must be strictly increasing layer indices >= 1",
         )
         require(
@@ -126,7 +132,9 @@ class SelectionConfig:
             f"budgets={self.budgets!r} must be numbers, one per check layer ({len(self.check_layers)})",
         )
         require(
-            all(b <= a for a, b in zip(self.budgets, self.budgets[1:])) and self.budgets[-1] == 1.0 and min(self.budgets) >= 1.0,
+            all(b <= a for a, b in zip(self.budgets, self.budgets[1:]))
+            and self.budgets[-1] == 1.0
+            and min(self.budgets) >= 1.0,
             f"budgets={self.budgets} must be non-increasing, >= 1.0, and end at 1.0",
         )
         require(self.deviation in DEVIATIONS, f"deviation={self.deviation!r} must be one of {DEVIATIONS}")
@@ -288,7 +296,9 @@ def check_scores(scores: np.ndarray, num_layers: int, num_tokens: int, field: st
     num_tokens] and finite over the first ``num_tokens`` tokens."""
     scores = np.asarray(scores)
     if scores.ndim != 2 or scores.shape[0] != num_layers or scores.shape[1] < num_tokens:
-        raise ValueError(f"{field} has shape {scores.shape}; the oracle needs [num_layers={num_layers}, >= {num_tokens} tokens]")
+        raise ValueError(
+            f"{field} has shape {scores.shape}; the oracle needs [num_layers={num_layers}, >= {num_tokens} tokens]"
+        )
     if not np.isfinite(scores[:, :num_tokens]).all():
         raise ValueError(f"{field} must be finite over the prompt's {num_tokens} tokens (NaN or inf found)")
 
@@ -335,7 +345,11 @@ def select_schedule(roles: Roles, config: SelectionConfig, padded: int, num_laye
     score = CheckScore(kind=_SCHEDULE_SCORES[config.selector], deviation=deviation, query_rows=config.query_rows,
                        weights=config.scorer)
     return Selection(
-        rows=rows, rows_valid=rows < roles.num_tokens, checks=tuple(checks), counts=np.asarray(counts, np.int32), score=score,
+        rows=rows,
+        rows_valid=rows < roles.num_tokens,
+        checks=tuple(checks),
+        counts=np.asarray(counts, np.int32),
+        score=score,
     )
 
 
@@ -345,7 +359,7 @@ def plan(
     padded: int,
     num_layers: int,
     *,
-    forced: np.ndarray = np.zeros(0, np.int32),
+    forced: np.ndarray | Sequence[int] = (),
     num_cached: int = 0,
     exact_len: int = 0,
     scores: np.ndarray | None = None,
@@ -361,7 +375,7 @@ def plan(
     Args:
       roles: token roles; its chunk spans are the tokens with stored KV.
       padded: padded token count T.
-      forced: 1-D int32 tokens recomputed in every layer besides the suffix (chunk tokens
+      forced: token ids (1-D int) recomputed in every layer besides the suffix (chunk tokens
         without stored KV, prefix tokens not cached).
       num_cached: leading tokens whose KV the pages already hold.
       exact_len: tokens whose reused KV is exact (the "prefix" selector recomputes the rest).
@@ -542,7 +556,9 @@ def check_features(
     dk = token_deviation(k_new, v_new, seq_k[idx], seq_v[idx], "k")
     dv = token_deviation(k_new, v_new, seq_k[idx], seq_v[idx], "v")
     keys = seq_k.at[jnp.where(valid, idx, t)].set(k_new.astype(seq_k.dtype), mode="drop")
-    attn = received_attention(q, jnp.where(valid & forced[idx], row_pos, -1), keys, positions, sm_scale, query_rows)[idx]
+    attn = received_attention(q, jnp.where(valid & forced[idx], row_pos, -1), keys, positions, sm_scale, query_rows)[
+        idx
+    ]
 
     def log_relative(x: jax.Array) -> jax.Array:
         mean = jnp.sum(jnp.where(candidate, x, 0.0)) / jnp.maximum(candidate.sum(), 1)

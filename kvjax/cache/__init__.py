@@ -1,6 +1,7 @@
 """The paged KV cache's pages: layout (the geometry), device page pool pytree and its pure page ops,
 the host and disk tiers (``HostPool``), quantized pages, sizing."""
 
+from kvjax.cache.host_pool import HostPages, HostPool, TierThrottle, load_host_pages, store_host_pages
 from kvjax.cache.layout import NULL_PAGE, CacheLayout
 from kvjax.cache.pool import (
     PagePool,
@@ -13,21 +14,20 @@ from kvjax.cache.pool import (
     write_layer,
     write_pages,
 )
-from kvjax.cache.host_pool import HostPages, HostPool, TierThrottle, load_host_pages, store_host_pages
 from kvjax.cache.quant import QUANTIZED_DTYPES, SCALE_GRANULARITIES, QuantizedPages, dequantize_pages
 from kvjax.cache.sizing import CacheSize, choose_cache_size, free_device_memory, require_fits
 
 __all__ = [
     "NULL_PAGE",
+    "QUANTIZED_DTYPES",
+    "SCALE_GRANULARITIES",
     "CacheLayout",
     "CacheSize",
     "HostPages",
     "HostPool",
     "PagePool",
     "Pages",
-    "QUANTIZED_DTYPES",
     "QuantizedPages",
-    "SCALE_GRANULARITIES",
     "TierThrottle",
     "choose_cache_size",
     "copy_pages",

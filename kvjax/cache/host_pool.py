@@ -118,7 +118,11 @@ class HostPool:
         throttles: Mapping[TierName, TierThrottle] | None = None,
     ) -> None:
         self.layout = layout
-        self.throttles: dict[TierName, TierThrottle] = {"host": TierThrottle(), "disk": TierThrottle(), **(throttles or {})}
+        self.throttles: dict[TierName, TierThrottle] = {
+            "host": TierThrottle(),
+            "disk": TierThrottle(),
+            **(throttles or {}),
+        }
         groups = range(layout.num_groups)
         self.host: tuple[HostPages, ...] = (
             tuple(layout.host_zeros(g, layout.num_host_pages) for g in groups) if layout.num_host_pages else ()
@@ -146,7 +150,9 @@ class HostPool:
         else:
             store_host_pages(self._host(tier)[group], slots, kv)
 
-    def load(self, tier: TierName, group: int, slots: np.ndarray, num_pages: int, layer: int | None = None) -> HostPages:
+    def load(
+        self, tier: TierName, group: int, slots: np.ndarray, num_pages: int, layer: int | None = None
+    ) -> HostPages:
         """``slots`` of ``group``'s pool on ``tier``, zero-padded to ``num_pages`` pages (a copy),
         as fast as the tier's throttle allows (one read).
 
@@ -199,7 +205,9 @@ class HostPool:
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(saved)):
             want = (*a.shape[:2], num_pages, *a.shape[3:])
             if b.shape != want or b.dtype != a.dtype:
-                raise ValueError(f"saved {tier} pages of group {group} have shape {b.shape} {b.dtype}, the pool {want} {a.dtype}")
+                raise ValueError(
+                    f"saved {tier} pages of group {group} have shape {b.shape} {b.dtype}, the pool {want} {a.dtype}"
+                )
 
     def restore(self, tier: TierName, group: int, saved: HostPages) -> None:
         """Overwrites the whole pool of ``group`` on ``tier`` with ``saved`` (same shapes and dtypes)."""

@@ -72,7 +72,11 @@ class CacheLayout:
     def __post_init__(self) -> None:
         if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1:
             raise ValueError(f"max_seq_len={self.max_seq_len!r} must be a positive int (tokens)")
-        if isinstance(self.tokens_per_block, bool) or not isinstance(self.tokens_per_block, int) or self.tokens_per_block < 1:
+        if (
+            isinstance(self.tokens_per_block, bool)
+            or not isinstance(self.tokens_per_block, int)
+            or self.tokens_per_block < 1
+        ):
             raise ValueError(f"tokens_per_block={self.tokens_per_block!r} must be a positive int (tokens per page)")
         windows = self.layer_windows
         if not windows or not all(isinstance(w, int) and 0 < w <= self.max_seq_len for w in windows):
@@ -143,8 +147,12 @@ class CacheLayout:
         else:
             windows = tuple(min(w, max_seq_len) for w in model_windows)
         probe = cls(
-            layer_windows=windows, num_pages=(2,) * len(dict.fromkeys(windows)), tokens_per_block=kv_config.tokens_per_block,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, max_seq_len=max_seq_len,
+            layer_windows=windows,
+            num_pages=(2,) * len(dict.fromkeys(windows)),
+            tokens_per_block=kv_config.tokens_per_block,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_seq_len=max_seq_len,
             dtype=model_dtype if kv_config.dtype == "auto" else kv_config.dtype,
             scale_granularity=kv_config.scale_granularity,
         )

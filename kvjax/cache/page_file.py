@@ -76,7 +76,10 @@ class PageFile:
         """Records as host pages [2, L, num_pages, ...] (missing records and the padding zero);
         with ``layer``, only that layer of the group, [2, 1, num_pages, ...]."""
         layers = slice(None) if layer is None else slice(layer, layer + 1)
-        out = [np.zeros((shape[0], len(range(shape[1])[layers]), num_pages, *shape[2:]), dtype) for shape, dtype in self._parts]
+        out = [
+            np.zeros((shape[0], len(range(shape[1])[layers]), num_pages, *shape[2:]), dtype)
+            for shape, dtype in self._parts
+        ]
         for i, record in enumerate(records):
             if record is None:
                 continue

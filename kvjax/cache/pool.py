@@ -112,7 +112,7 @@ def copy_pages(pool: PagePool, layout: CacheLayout, group: int, src: jax.Array, 
       src, dst: [num_copies] int32 page ids.
     """
     k, v = list(pool.k), list(pool.v)
-    copy = lambda a: a.at[dst].set(a[src])  # noqa: E731 (values and scales alike: page axis first)
+    copy = lambda a: a.at[dst].set(a[src])
     for layer in _group_layers(layout, group):
         k[layer] = jax.tree.map(copy, k[layer])
         v[layer] = jax.tree.map(copy, v[layer])
@@ -128,8 +128,8 @@ def read_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.Ar
       of such values and [2, group_layers, len(page_ids), scale_slots, kv_heads] scales.
     """
     layers = _group_layers(layout, group)
-    stack = lambda *a: jnp.stack(a)  # noqa: E731
-    gather = lambda a: a[page_ids]  # noqa: E731
+    stack = lambda *a: jnp.stack(a)
+    gather = lambda a: a[page_ids]
     k = jax.tree.map(stack, *[jax.tree.map(gather, pool.k[i]) for i in layers])
     v = jax.tree.map(stack, *[jax.tree.map(gather, pool.v[i]) for i in layers])
     return jax.tree.map(stack, k, v)
@@ -140,8 +140,8 @@ def write_pages(pool: PagePool, layout: CacheLayout, group: int, page_ids: jax.A
     """Writes ``kv`` (as returned by ``read_pages``) into ``page_ids`` of ``group``."""
     k, v = list(pool.k), list(pool.v)
     for n, layer in enumerate(_group_layers(layout, group)):
-        k[layer] = jax.tree.map(lambda a, new: a.at[page_ids].set(new[0, n].astype(a.dtype)), k[layer], kv)
-        v[layer] = jax.tree.map(lambda a, new: a.at[page_ids].set(new[1, n].astype(a.dtype)), v[layer], kv)
+        k[layer] = jax.tree.map(lambda a, new, n=n: a.at[page_ids].set(new[0, n].astype(a.dtype)), k[layer], kv)
+        v[layer] = jax.tree.map(lambda a, new, n=n: a.at[page_ids].set(new[1, n].astype(a.dtype)), v[layer], kv)
     return PagePool(k=tuple(k), v=tuple(v))
 
 

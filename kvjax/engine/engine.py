@@ -34,7 +34,11 @@ from kvjax.engine.manager_choice import choose_manager_v2
 from kvjax.engine.outputs import Records, RequestOutput, RequestRecord, to_output
 from kvjax.engine.recurrent import RecurrentState
 from kvjax.engine.requests import (
-    ChunkedPrompt, check_engine_options, check_request_features, check_token_ids, scheduler_request,
+    ChunkedPrompt,
+    check_engine_options,
+    check_request_features,
+    check_token_ids,
+    scheduler_request,
 )
 from kvjax.engine.runner import Runner, StepContext, StepRunner, run_works
 from kvjax.engine.scheduler import Scheduler
@@ -95,9 +99,14 @@ class Engine:
         )
         """The cache geometry (pages of every tier, page size, windows); the one owner of it."""
         kv = kv_cache_config
-        self.host_pool = HostPool(self.layout, kv.disk_cache_dir, throttles={
-            "host": TierThrottle(kv.host_read_gbps, kv.host_latency_ms), "disk": TierThrottle(kv.disk_read_gbps, kv.disk_latency_ms),
-        })
+        self.host_pool = HostPool(
+            self.layout,
+            kv.disk_cache_dir,
+            throttles={
+                "host": TierThrottle(kv.host_read_gbps, kv.host_latency_ms),
+                "disk": TierThrottle(kv.disk_read_gbps, kv.disk_latency_ms),
+            },
+        )
         """The host and disk tiers' pages; built before the manager, since it checks the disk
         tier against the free space before any structure is sized by it."""
         manager = (KVCacheManagerV2(kv_cache_config, self.layout, scheduler_config.max_batch_size)
@@ -115,10 +124,15 @@ class Engine:
         if mesh is None:
             params, pool = model.params, init_pool(self.layout)
         else:
-            params, pool = distributed.shard_params(model.params, cfg, mesh), distributed.init_sharded_pool(self.layout, mesh)
+            params, pool = (
+                distributed.shard_params(model.params, cfg, mesh),
+                distributed.init_sharded_pool(self.layout, mesh),
+            )
         context = StepContext(params, cfg, self.layout, attn_impl, manager, self.host_pool, pool, mesh, model_forward)
         self.runner = StepRunner(context, self.requests, self.timings, self.recurrent)
-        decode = self.runner.decode if speculative is None else SpeculativeDecode(speculative, self.runner, self.max_seq_len)
+        decode = (
+            self.runner.decode if speculative is None else SpeculativeDecode(speculative, self.runner, self.max_seq_len)
+        )
         self.runners: dict[str, Runner] = {"prefill": self.runner.prefill, "blend": self.runner.blend, "decode": decode}
         """The step's runners by kind of work (see ``kvjax.engine.runner``)."""
         self.device_decode = (DeviceDecode(manager, self.runner, scheduler_config.num_decode_steps_per_dispatch)
@@ -148,7 +162,9 @@ class Engine:
             if self.has_work:
                 raise ValueError("set_manager needs an idle engine: finish or drop queued/running requests first")
             if self.uses_manager_v2:
-                raise ValueError("set_manager swaps a V1 manager; this engine runs Manager V2 (use_kv_cache_manager_v2)")
+                raise ValueError(
+                    "set_manager swaps a V1 manager; this engine runs Manager V2 (use_kv_cache_manager_v2)"
+                )
             self.runner.context.manager = manager
             self._attach(manager)
 
@@ -184,8 +200,17 @@ class Engine:
         cfg = self.model.config
         prompt = check_token_ids(prompt_token_ids, cfg.vocab_size)
         if chunks is not None or self.uses_manager_v2:
-            cache_salt = check_request_features(self.runner.context, prompt, retention, chunks, cache_salt, lora_id,
-                                                mm_items, manager_v2=self.uses_manager_v2, hybrid=self.recurrent is not None)
+            cache_salt = check_request_features(
+                self.runner.context,
+                prompt,
+                retention,
+                chunks,
+                cache_salt,
+                lora_id,
+                mm_items,
+                manager_v2=self.uses_manager_v2,
+                hybrid=self.recurrent is not None,
+            )
         sched = scheduler_request(prompt, sampling, cfg, self._ids, request_id=request_id, retention=retention,
                                   cache_salt=cache_salt, lora_id=lora_id, mm_items=mm_items)
         if chunks is not None:
@@ -305,7 +330,9 @@ class Engine:
             self.step()
         return [to_output(rid, r) for rid, r in pending]
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(), **kwargs) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(), **kwargs
+    ) -> list[RequestOutput]:
         """Submits ``prompts`` (token ids) and runs them to completion.
 
         All or nothing at submission: if one prompt is rejected, the ones already queued by
@@ -324,7 +351,9 @@ class Engine:
             self.step()
         return [to_output(rid, r) for rid, r in pending]
 
-    def stream(self, prompt_token_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), **kwargs) -> Iterator[int]:
+    def stream(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams = SamplingParams(), **kwargs
+    ) -> Iterator[int]:
         """Yields a request's tokens as they are generated (other requests keep running)."""
         rid = self.submit(prompt_token_ids, sampling, **kwargs)
         record = self.requests[rid]

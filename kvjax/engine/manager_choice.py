@@ -29,10 +29,15 @@ def choose_manager_v2(
     needs_v1 = [
         reason
         for reason, present in (
-            (f"kv_cache_config.host_cache_size={config.host_cache_size} (host offload tier)", config.host_cache_size > 0),
+            (
+                f"kv_cache_config.host_cache_size={config.host_cache_size} (host offload tier)",
+                config.host_cache_size > 0,
+            ),
             (f"kv_cache_config.disk_cache_size={config.disk_cache_size} (disk tier)", config.disk_cache_size > 0),
-            (f"kv_cache_config.event_buffer_max_size={config.event_buffer_max_size} (KV cache events)",
-             config.event_buffer_max_size > 0),
+            (
+                f"kv_cache_config.event_buffer_max_size={config.event_buffer_max_size} (KV cache events)",
+                config.event_buffer_max_size > 0,
+            ),
             ("speculative (speculative decoding rolls back slots the host manager owns)", speculative is not None),
             (f"model {cfg.name!r} with recurrent layers (recurrent-state pool and snapshots)", cfg.is_hybrid),
             ("a device mesh (the on-device decode loop runs on one device)", sharded),

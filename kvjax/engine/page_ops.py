@@ -22,7 +22,9 @@ from kvjax.manager import PageOp
 ONBOARDS = ("onboard", "onboard_disk")
 
 
-def apply_page_ops(pool: PagePool, layout: CacheLayout, host_pool: HostPool, ops: list[PageOp], end_step: bool = True) -> PagePool:
+def apply_page_ops(
+    pool: PagePool, layout: CacheLayout, host_pool: HostPool, ops: list[PageOp], end_step: bool = True
+) -> PagePool:
     """Runs ``ops`` in order, each run of one kind and group as one batched op padded to a
     power-of-two count; returns the new device pool (the host and disk tiers are written in
     place), then ends the disk tier's step (``HostPool.end_step``) unless ``end_step`` is
@@ -69,7 +71,8 @@ class LayerwiseOnboard:
         thread starts reading at once, so run the ops that must come first before building this.
       depth: layers loaded ahead of the consumer (host buffers in flight), >= 1.
 
-    ``error`` is the read error the loader stopped on (None while none). ``events`` lists every read: dicts with "layer", "tier", "pages", "bytes", "start_s",
+    ``error`` is the read error the loader stopped on (None while none). ``events`` lists every read: dicts with
+    "layer", "tier", "pages", "bytes", "start_s",
     "end_s" (``time.perf_counter()`` seconds).
     """
 
@@ -82,11 +85,15 @@ class LayerwiseOnboard:
         """The read error the loader stopped on, if any."""
         self._runs: dict[int, list[tuple[str, np.ndarray, np.ndarray]]] = {}
         """Per group, (tier, source pages, destination pages padded to a power of two with the null page)."""
-        for (group, kind), run in itertools.groupby(sorted(ops, key=lambda op: (op.group, op.kind)), key=lambda op: (op.group, op.kind)):
+        for (group, kind), run in itertools.groupby(
+            sorted(ops, key=lambda op: (op.group, op.kind)), key=lambda op: (op.group, op.kind)
+        ):
             run = list(run)
             dst = np.full(pow2_bucket(len(run)), NULL_PAGE, np.int32)
             dst[: len(run)] = [op.dst for op in run]
-            self._runs.setdefault(group, []).append(("host" if kind == "onboard" else "disk", np.asarray([op.src for op in run]), dst))
+            self._runs.setdefault(group, []).append(
+                ("host" if kind == "onboard" else "disk", np.asarray([op.src for op in run]), dst)
+            )
         self._next = 0
         self._buffers: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._load, name="kvjax-layerwise-onboard", daemon=True)
@@ -100,8 +107,16 @@ class LayerwiseOnboard:
                 for tier, src, dst in self._runs.get(group, ()):
                     start = time.perf_counter()
                     kv = self.host_pool.load(tier, group, src, len(dst), layer=index_in_group[layer])
-                    self.events.append({"layer": layer, "tier": tier, "pages": len(src), "start_s": start, "end_s": time.perf_counter(),
-                                        "bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(kv)) * len(src) // len(dst)})
+                    self.events.append(
+                        {
+                            "layer": layer,
+                            "tier": tier,
+                            "pages": len(src),
+                            "start_s": start,
+                            "end_s": time.perf_counter(),
+                            "bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(kv)) * len(src) // len(dst),
+                        }
+                    )
                     parts.append((dst, kv))
                 self._buffers.put(parts)
         except BaseException as err:  # handed to the consumer, raised there
@@ -145,7 +160,9 @@ class LayerwiseOnboard:
         return PagePool(k=tuple(k), v=tuple(v))
 
 
-def _apply(pool: PagePool, layout: CacheLayout, host_pool: HostPool, kind: str, group: int, ops: list[PageOp]) -> PagePool:
+def _apply(
+    pool: PagePool, layout: CacheLayout, host_pool: HostPool, kind: str, group: int, ops: list[PageOp]
+) -> PagePool:
     n = pow2_bucket(len(ops))
     src = np.full(n, NULL_PAGE, np.int32)
     dst = np.full(n, NULL_PAGE, np.int32)
@@ -154,7 +171,9 @@ def _apply(pool: PagePool, layout: CacheLayout, host_pool: HostPool, kind: str, 
     if kind == "copy":
         return copy_pages(pool, layout, group, jnp.asarray(src), jnp.asarray(dst))
     if kind == "offload":
-        host_pool.store("host", group, dst[: len(ops)], jax.device_get(read_pages(pool, layout, group, jnp.asarray(src))))
+        host_pool.store(
+            "host", group, dst[: len(ops)], jax.device_get(read_pages(pool, layout, group, jnp.asarray(src)))
+        )
         return pool
     if kind == "spill":
         host_pool.store("disk", group, dst[: len(ops)], host_pool.load("host", group, src[: len(ops)], n))

@@ -19,13 +19,21 @@ import numpy as np
 
 from kvjax.cache import CacheLayout
 from kvjax.cache.sizing import free_device_memory
-from kvjax.cache.state_pool import NULL_SLOT, copy_slots, init_state_pool, read_slots, slot_bytes, write_slots, zero_slots
+from kvjax.cache.state_pool import (
+    NULL_SLOT,
+    copy_slots,
+    init_state_pool,
+    read_slots,
+    slot_bytes,
+    write_slots,
+    zero_slots,
+)
 from kvjax.config import ConfigError, KvCacheConfig
 from kvjax.engine.buckets import pow2_bucket
 from kvjax.engine.outputs import RequestRecord
+from kvjax.engine.scheduler import ScheduledRequest, SchedulerRequest
 from kvjax.manager import hashing
 from kvjax.manager.interface import CacheManager
-from kvjax.engine.scheduler import ScheduledRequest, SchedulerRequest
 from kvjax.manager.state_snapshots import StateSnapshotIndex
 from kvjax.model.config import ModelConfig
 
@@ -47,7 +55,10 @@ class RecurrentState:
     def __init__(self, kv_config: KvCacheConfig, layout: CacheLayout, cfg: ModelConfig, num_live: int) -> None:
         max_snapshots = kv_config.mamba_state_config.max_snapshots
         num_slots = 1 + num_live + max_snapshots
-        need, free = num_slots * slot_bytes(len(cfg.recurrent_layers), cfg.num_heads, cfg.head_dim), free_device_memory()
+        need, free = (
+            num_slots * slot_bytes(len(cfg.recurrent_layers), cfg.num_heads, cfg.head_dim),
+            free_device_memory(),
+        )
         if need > free:
             raise ConfigError(
                 f"kv_cache_config.mamba_state_config.max_snapshots={max_snapshots:,}: the recurrent-state pool of "
@@ -57,7 +68,9 @@ class RecurrentState:
         self.tokens_per_block = layout.tokens_per_block
         self.index = StateSnapshotIndex(kv_config, tokens_per_block=layout.tokens_per_block, num_live=num_live)
         """Which request or snapshot holds each slot."""
-        self.pool: jax.Array = init_state_pool(len(cfg.recurrent_layers), self.index.num_slots, cfg.num_heads, cfg.head_dim)
+        self.pool: jax.Array = init_state_pool(
+            len(cfg.recurrent_layers), self.index.num_slots, cfg.num_heads, cfg.head_dim
+        )
         """[R, num_slots, H, d, d] float32."""
 
     def start(self, works: Sequence[ScheduledRequest], requests: Mapping[str, RequestRecord]) -> None:
@@ -74,9 +87,12 @@ class RecurrentState:
                 continue
             if w.start % self.tokens_per_block:
                 raise RuntimeError(
-                    f"request {w.request_id!r} resumes at {w.start}, not a block boundary (page {self.tokens_per_block})"
+                    f"request {w.request_id!r} resumes at {w.start}, not a block boundary (page "
+                    f"{self.tokens_per_block})"
                 )
-            restores.append((self.index.restore(sched.prompt_keys[w.start // self.tokens_per_block - 1]).slot, live.slot))
+            restores.append(
+                (self.index.restore(sched.prompt_keys[w.start // self.tokens_per_block - 1]).slot, live.slot)
+            )
         if restores:
             self.pool = copy_slots(self.pool, _padded([s for s, _ in restores]), _padded([d for _, d in restores]))
         if zeros:
@@ -141,7 +157,9 @@ def _prefix_keys(
     """Block keys of a request's token prefix (its prompt's own keys when it is one)."""
     if len(tokens) <= len(sched.prompt_token_ids):
         return sched.prompt_keys[: len(tokens) // tokens_per_block]
-    return manager.prompt_block_keys(tokens, cache_salt=sched.cache_salt, lora_id=sched.lora_id, mm_items=sched.mm_items)
+    return manager.prompt_block_keys(
+        tokens, cache_salt=sched.cache_salt, lora_id=sched.lora_id, mm_items=sched.mm_items
+    )
 
 
 def _padded(slots: Sequence[int]) -> jax.Array:

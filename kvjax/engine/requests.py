@@ -59,7 +59,9 @@ class ChunkedPrompt(Protocol):
     def batch_key(self, prompt: Sequence[int], num_cached: int) -> Hashable | None:
         """Blended requests of one step with equal keys prefill together (``prefill``); None = alone."""
 
-    def prefill(self, context: StepContext, batch: Sequence[ChunkedWork]) -> list[tuple[jax.Array, dict | None, object]]:
+    def prefill(
+        self, context: StepContext, batch: Sequence[ChunkedWork]
+    ) -> list[tuple[jax.Array, dict | None, object]]:
         """Runs the prompts of ``batch`` (this request's first, the others with its
         ``batch_key``) on the requests' pages of ``context.pool``; returns per request (the
         last prompt positions' logits [R, V], a trace or None, a report)."""
@@ -97,7 +99,9 @@ def check_request_features(
     priorities and CacheBlend chunks; hybrid models: chunks) or a blended request's bad
     field; returns the request's cache salt (a blended request's is ``chunks.salt``)."""
     if manager_v2 and retention is not None and as_retention_config(retention) != KvCacheRetentionConfig():
-        raise ValueError("retention: per-request retention priorities need the V1 manager (use_kv_cache_manager_v2='false')")
+        raise ValueError(
+            "retention: per-request retention priorities need the V1 manager (use_kv_cache_manager_v2='false')"
+        )
     if chunks is None:
         return cache_salt
     if manager_v2:
@@ -162,7 +166,11 @@ def check_engine_options(
     (or, with a device ``mesh``, a feature the sharded engine does not have yet)."""
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be None or a SpeculativeConfig, got {type(speculative).__name__}")
-    if isinstance(max_finished_requests, bool) or not isinstance(max_finished_requests, int) or max_finished_requests < 1:
+    if (
+        isinstance(max_finished_requests, bool)
+        or not isinstance(max_finished_requests, int)
+        or max_finished_requests < 1
+    ):
         raise ValueError(f"max_finished_requests={max_finished_requests!r} must be an int >= 1")
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
                                     or not 1 <= max_seq_len <= cfg.max_seq_len):
@@ -179,13 +187,17 @@ def check_engine_options(
         )
     if mesh is not None:
         if not isinstance(mesh, Mesh):
-            raise ValueError(f"mesh must be None or a jax.sharding.Mesh (kvjax.distributed.make_mesh), got {type(mesh).__name__}")
+            raise ValueError(
+                f"mesh must be None or a jax.sharding.Mesh (kvjax.distributed.make_mesh), got {type(mesh).__name__}"
+            )
         lacking = [name for name, present in (
             ("speculative", speculative is not None), ("a hybrid model", cfg.is_hybrid),
             ("kv_cache_config.host_cache_size", kv_config is not None and kv_config.host_cache_size > 0),
         ) if present]
         if lacking:
-            raise ValueError(f"an engine over a device mesh does not support {', '.join(lacking)} yet; drop the mesh or these")
+            raise ValueError(
+                f"an engine over a device mesh does not support {', '.join(lacking)} yet; drop the mesh or these"
+            )
     if cfg.is_hybrid and kv_config is not None:
         limit = max_seq_len or cfg.max_seq_len
         mamba = kv_config.mamba_state_config
@@ -193,6 +205,7 @@ def check_engine_options(
             past = [o for o in getattr(mamba, name) if o >= limit]
             if past:
                 raise ValueError(
-                    f"kv_cache_config.mamba_state_config.{name}={list(getattr(mamba, name))!r} holds {past}, at or past "
+                    f"kv_cache_config.mamba_state_config.{name}={list(getattr(mamba, name))!r} holds {past}, at or "
+                    f"past "
                     f"the engine's max_seq_len={limit}: no sequence reaches them; each must be in [0, {limit})"
                 )

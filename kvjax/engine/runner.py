@@ -32,12 +32,7 @@ from jax.sharding import Mesh
 from kvjax import attention
 from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, PagePool
 from kvjax.distributed import replicate
-from kvjax.engine.buckets import (
-    PREFILL_BATCH_TOKENS,
-    pow2_bucket,
-    prefill_bucket,
-    table_width,
-)
+from kvjax.engine.buckets import PREFILL_BATCH_TOKENS, pow2_bucket, prefill_bucket, table_width
 from kvjax.engine.outputs import RequestRecord
 from kvjax.engine.page_ops import apply_page_ops
 from kvjax.engine.recurrent import RecurrentState
@@ -232,7 +227,10 @@ class StepRunner:
         samples each one's first token."""
         start = time.perf_counter()
         records = [self.records[w.request_id] for w in works]
-        batch = [ChunkedWork(w.request_id, tuple(r.sched.prompt_token_ids), w.start, r.chunks) for w, r in zip(works, records)]
+        batch = [
+            ChunkedWork(w.request_id, tuple(r.sched.prompt_token_ids), w.start, r.chunks)
+            for w, r in zip(works, records)
+        ]
         results = records[0].chunks.prefill(self.context, batch)
         for record, (logits, trace, report) in zip(records, results):
             record.prompt_logits, record.blend_trace, record.blend_report = np.asarray(logits), trace, report

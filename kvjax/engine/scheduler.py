@@ -40,7 +40,6 @@ from kvjax.manager.hashing import BlockKey, MultimodalItem
 from kvjax.manager.interface import CacheManager
 from kvjax.manager.manager import OutOfPagesError
 
-
 _Verdict = Literal["admit", "defer", "stop"]
 """An admission decision (``Scheduler._verdict``)."""
 
@@ -216,7 +215,9 @@ class Scheduler:
         if plan is None:
             raise RuntimeError("finish_step() called without a schedule() before it")
         missing = [
-            s.request_id for s in plan.scheduled if s.samples and s.request_id in self.running and s.request_id not in sampled
+            s.request_id
+            for s in plan.scheduled
+            if s.samples and s.request_id in self.running and s.request_id not in sampled
         ]
         if missing:
             raise ValueError(f"sampled has no token for request(s) {missing}, which sample this step")
@@ -328,10 +329,18 @@ class Scheduler:
         (prefix-aware scheduling), "stop" when a blended prefill's rows exceed a partly spent
         budget (admission stops, keeping arrival order), else "admit"."""
         first = estimate // self.manager.tokens_per_block
-        if self.config.enable_prefix_aware_scheduling and first < len(req.prompt_keys) and req.prompt_keys[first] in pending:
+        if (
+            self.config.enable_prefix_aware_scheduling
+            and first < len(req.prompt_keys)
+            and req.prompt_keys[first] in pending
+        ):
             return "defer"
         rows = req.num_prefill_rows
-        if rows is not None and min(rows, len(req.prompt_token_ids) - estimate) > budget and budget < self.config.max_num_tokens:
+        if (
+            rows is not None
+            and min(rows, len(req.prompt_token_ids) - estimate) > budget
+            and budget < self.config.max_num_tokens
+        ):
             return "stop"
         return "admit"
 

@@ -42,7 +42,8 @@ class SpeculativeDecode:
         self.drafter = make_drafter(config, ctx.params, ctx.cfg, ctx.layout, ctx.attn_impl)
 
     def __call__(self, works: Sequence[ScheduledRequest]) -> Sampled:
-        """A batch of decodes, speculatively; returns the tokens each request emits (accepted drafts, then the token after them). A step where the drafter proposes
+        """A batch of decodes, speculatively; returns the tokens each request emits (accepted drafts, then the token
+        after them). A step where the drafter proposes
         nothing runs as a plain decode."""
         start_time = time.perf_counter()
         runner, ctx, k = self.runner, self.runner.context, self.config.num_draft_tokens
@@ -71,7 +72,11 @@ class SpeculativeDecode:
         if probs is not None and probs.shape[1] < k:
             probs = jnp.pad(probs, ((0, 0), (0, k - probs.shape[1]), (0, 0)))
         accepted, following = verify(
-            logits, jnp.asarray(draft_tokens), jnp.asarray(num_drafts), *sampling_arrays(works, runner.records, rows), probs
+            logits,
+            jnp.asarray(draft_tokens),
+            jnp.asarray(num_drafts),
+            *sampling_arrays(works, runner.records, rows),
+            probs,
         )
         accepted, following = np.asarray(accepted), np.asarray(following)
         wants_logits = any(runner.records[w.request_id].sampling.return_logits for w in works)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator
 
-from kvjax.manager.eviction import EvictionQueue
 from kvjax.manager.events import EventBuffer, EventKind
+from kvjax.manager.eviction import EvictionQueue
 from kvjax.manager.hashing import BlockKey, HashedItem
 from kvjax.manager.radix_tree import Block, RadixTree
 from kvjax.manager.retention import ExpiryQueue
@@ -47,7 +47,7 @@ class FreeList:
       start, stop: the pool's first and past-the-last page id.
     """
 
-    __slots__ = ("next", "stop", "returned")
+    __slots__ = ("next", "returned", "stop")
 
     def __init__(self, start: int, stop: int) -> None:
         self.next = start

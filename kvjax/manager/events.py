@@ -51,7 +51,7 @@ class KVCacheEvent:
 class EventBuffer:
     """Bounded FIFO of events; capacity 0 turns events off."""
 
-    __slots__ = ("capacity", "next_id", "num_dropped", "_events")
+    __slots__ = ("_events", "capacity", "next_id", "num_dropped")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

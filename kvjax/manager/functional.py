@@ -190,7 +190,7 @@ def match_prefix(state: PageState, hi: jax.Array, lo: jax.Array, num_keys: jax.A
     Returns:
       (num_matched [], pages [width]: the matched blocks' pages, -1 past the run).
     """
-    pages = jax.vmap(lambda h, l: lookup(state, h, l))(hi, lo)
+    pages = jax.vmap(lambda h, low: lookup(state, h, low))(hi, lo)
     hit = (pages >= 0) & (jnp.arange(pages.shape[0]) < num_keys)
     run = jnp.cumprod(hit.astype(jnp.int32))
     return run.sum(), jnp.where(run > 0, pages, _NO_PAGE)
@@ -391,7 +391,9 @@ def check_invariants(state: PageState) -> None:
     for row in range(s.block_tables.shape[0]):
         for page in s.block_tables[row, : int(s.num_blocks[row])]:
             expected[page] += 1
-        assert (s.block_tables[row, int(s.num_blocks[row]) :] == NULL_PAGE).all(), f"row {row} has pages past num_blocks"
+        assert (s.block_tables[row, int(s.num_blocks[row]) :] == NULL_PAGE).all(), (
+            f"row {row} has pages past num_blocks"
+        )
     assert (expected == s.ref_counts).all(), f"ref counts {s.ref_counts} != block-table entries {expected}"
     named = {int(p): slot for slot, p in enumerate(s.index) if p >= 0}
     assert set(named) == set(np.flatnonzero(s.indexed).tolist()), "index and indexed pages disagree"
@@ -403,8 +405,8 @@ def check_invariants(state: PageState) -> None:
 
 __all__ = [
     "EMPTY",
-    "PageState",
     "TOMBSTONE",
+    "PageState",
     "acquire_prefix",
     "allocate",
     "append_tokens",

@@ -19,6 +19,7 @@ hash and its token span. Keys are full 32-byte digests.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import struct
 import sys
@@ -68,7 +69,9 @@ class MultimodalItem:
         if self.uuid is not None and not isinstance(self.uuid, str):
             raise ValueError(f"{where}.uuid={self.uuid!r} must be a string or None")
         if not isinstance(self.offset, int) or not isinstance(self.length, int) or self.length < 1 or self.offset < 0:
-            raise ValueError(f"{where}: offset={self.offset!r} must be an int >= 0 and length={self.length!r} an int >= 1")
+            raise ValueError(
+                f"{where}: offset={self.offset!r} must be an int >= 0 and length={self.length!r} an int >= 1"
+            )
         if self.offset + self.length > prompt_len:
             raise ValueError(
                 f"{where}: span [{self.offset}, {self.offset + self.length}) must lie inside the prompt "
@@ -114,7 +117,7 @@ def hash_items(items: Sequence[MultimodalItem], prompt_len: int) -> tuple[Hashed
             raise ValueError(f"mm_items[{i}] must be a MultimodalItem, got {type(item).__name__}")
         item.validate(prompt_len, i)
     ordered = sorted(items, key=lambda it: it.offset)
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in itertools.pairwise(ordered):
         if a.offset + a.length > b.offset:
             raise ValueError(
                 f"mm_items spans [{a.offset}, {a.offset + a.length}) and [{b.offset}, {b.offset + b.length}) "
@@ -123,7 +126,9 @@ def hash_items(items: Sequence[MultimodalItem], prompt_len: int) -> tuple[Hashed
     hashed = []
     for item in ordered:
         digest = mm_hash(item)
-        hashed.append(HashedItem(item.offset, item.length, digest, item.uuid if item.uuid is not None else digest.hex()))
+        hashed.append(
+            HashedItem(item.offset, item.length, digest, item.uuid if item.uuid is not None else digest.hex())
+        )
     return tuple(hashed)
 
 

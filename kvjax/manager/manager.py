@@ -137,7 +137,8 @@ class KVCacheManager(LayoutGeometry):
             raise TypeError(f"layout must be a CacheLayout, got {type(layout).__name__}")
         if layout.tokens_per_block != config.tokens_per_block:
             raise ValueError(
-                f"layout.tokens_per_block={layout.tokens_per_block} must equal config.tokens_per_block={config.tokens_per_block}; "
+                f"layout.tokens_per_block={layout.tokens_per_block} must equal "
+                f"config.tokens_per_block={config.tokens_per_block}; "
                 "build the layout from this config (CacheLayout.for_model)"
             )
         self.config = config
@@ -372,7 +373,9 @@ class KVCacheManager(LayoutGeometry):
         if num_total_tokens <= seq.num_allocated:
             return seq.num_allocated
         held = len(seq.blocks[0])
-        extra = max(0, min([-(-num_total_tokens // self.tokens_per_block) - held] + [len(p.device_free) for p in self.pools]))
+        extra = max(
+            0, min([-(-num_total_tokens // self.tokens_per_block) - held] + [len(p.device_free) for p in self.pools])
+        )
         for pool, blocks in zip(self.pools, seq.blocks):
             for _ in range(extra):
                 block = pool.new_block()
@@ -649,7 +652,9 @@ class KVCacheManager(LayoutGeometry):
                         feasible[k] = missing[k] - missing[lo] == 0
         snapshots = self.state_snapshots
         num_full = max(
-            k for k in range(max_full + 1) if feasible[k] and (k == 0 or snapshots is None or snapshots.has(keys[k - 1]))
+            k
+            for k in range(max_full + 1)
+            if feasible[k] and (k == 0 or snapshots is None or snapshots.has(keys[k - 1]))
         )
         start = num_full * ps
         partial = 0
@@ -688,7 +693,8 @@ class KVCacheManager(LayoutGeometry):
         """The cached block sharing the most leading tokens with ``wanted`` (block at ``start``).
 
         Candidates are the full match of this block if any, else the cached children of the
-        previous block that start with the wanted first token. Without copy_on_partial_reuse a device candidate qualifies only if
+        previous block that start with the wanted first token. Without copy_on_partial_reuse a device candidate
+        qualifies only if
         it can be taken in place (no holder, no children); a host candidate is always copied
         (onboarded) to a fresh page.
         """
@@ -701,7 +707,11 @@ class KVCacheManager(LayoutGeometry):
         for block in candidates:
             if not pool.intact(block):
                 continue
-            if not self.config.copy_on_partial_reuse and block.tier is Tier.DEVICE and not pool.can_take_in_place(block):
+            if (
+                not self.config.copy_on_partial_reuse
+                and block.tier is Tier.DEVICE
+                and not pool.can_take_in_place(block)
+            ):
                 continue
             count = 0
             for a, b in zip(wanted, block.token_ids):
@@ -750,7 +760,9 @@ class KVCacheManager(LayoutGeometry):
         return blocks
 
     def _set_priority(self, pool: BlockPool, block: Block, seq: _Sequence, b: int, now: float) -> None:
-        priority, duration_ms = block_priority(seq.retention, b * self.tokens_per_block, (b + 1) * self.tokens_per_block, len(seq.prompt))
+        priority, duration_ms = block_priority(
+            seq.retention, b * self.tokens_per_block, (b + 1) * self.tokens_per_block, len(seq.prompt)
+        )
         expiry = None if duration_ms is None else now + duration_ms / 1000.0
         pool.set_priority(block, priority, expiry)
         if expiry is not None:

@@ -27,15 +27,7 @@ import numpy as np
 from kvjax.cache.layout import CacheLayout
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig
 from kvjax.manager import functional as F
-from kvjax.manager.hashing import (
-    BlockKey,
-    MultimodalItem,
-    chain_keys,
-    check_token_ids,
-    hash_items,
-    pack_ids,
-    root_key,
-)
+from kvjax.manager.hashing import BlockKey, MultimodalItem, chain_keys, check_token_ids, hash_items, pack_ids, root_key
 from kvjax.manager.interface import LayoutGeometry
 from kvjax.manager.manager import OutOfPagesError
 from kvjax.manager.stats import CacheStats, RequestStats

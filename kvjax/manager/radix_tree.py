@@ -62,7 +62,7 @@ class Block:
 class RadixTree:
     """Full blocks of one layer group, by key, with children indexed by parent key."""
 
-    __slots__ = ("blocks", "_children", "_by_first_token")
+    __slots__ = ("_by_first_token", "_children", "blocks")
 
     def __init__(self) -> None:
         self.blocks: dict[BlockKey, Block] = {}

@@ -32,9 +32,9 @@ def block_priority(
       start, end: token positions of the block, start < end.
       prompt_len: tokens in the prompt; positions >= prompt_len are generated tokens.
     """
-    if not retention.token_range_retention_configs and retention.decode_retention_priority == DEFAULT_PRIORITY:
-        if end <= prompt_len or retention.decode_duration_ms is None:  # the default policy
-            return DEFAULT_PRIORITY, None
+    default = not retention.token_range_retention_configs and retention.decode_retention_priority == DEFAULT_PRIORITY
+    if default and (end <= prompt_len or retention.decode_duration_ms is None):  # the default policy
+        return DEFAULT_PRIORITY, None
     # The winner maximizes (priority, no expiry, duration); the first of equals is kept.
     best_priority, best_duration = -1, None
     covered = prompt_covered = 0
@@ -43,7 +43,9 @@ def block_priority(
         hi = end if r.token_end is None or r.token_end > end else r.token_end
         if lo < hi:
             p, d = r.priority, r.duration_ms
-            if p > best_priority or (p == best_priority and best_duration is not None and (d is None or d > best_duration)):
+            if p > best_priority or (
+                p == best_priority and best_duration is not None and (d is None or d > best_duration)
+            ):
                 best_priority, best_duration = p, d
             covered += hi - lo
             if lo < prompt_len:

@@ -377,4 +377,12 @@ def check_consistency(mgr: KVCacheManager) -> None:
             fail(f"{seq.request_id!r}: reused {seq.stats.reused_tokens} of {seq.stats.prompt_tokens} prompt tokens")
 
 
-__all__ = ["FORMAT_VERSION", "ConsistencyError", "SnapshotError", "check_consistency", "check_header", "restore", "state_dict"]
+__all__ = [
+    "FORMAT_VERSION",
+    "ConsistencyError",
+    "SnapshotError",
+    "check_consistency",
+    "check_header",
+    "restore",
+    "state_dict",
+]

@@ -91,7 +91,9 @@ class StateSnapshotIndex:
         mamba = config.mamba_state_config
         self.interval = mamba.periodic_snapshot_interval if self.policy == "all_reusable" else 0
         ps = self.tokens_per_block
-        self.from_start: frozenset[int] = frozenset(o // ps * ps for o in mamba.additional_snapshot_offsets_from_start) - {0}
+        self.from_start: frozenset[int] = frozenset(
+            o // ps * ps for o in mamba.additional_snapshot_offsets_from_start
+        ) - {0}
         self.from_end: tuple[int, ...] = tuple(sorted(set(mamba.additional_snapshot_offsets_from_end)))
         self.num_live = num_live
         self.max_snapshots = mamba.max_snapshots
@@ -227,7 +229,9 @@ class StateSnapshotIndex:
     def _drop_old_turns(self, live: LiveState) -> None:
         """per_conversation: forgets the conversation's snapshots older than its last max_num_turns turns."""
         oldest_kept = live.turn - self.max_num_turns + 1
-        for snapshot in [s for s in self._snapshots.values() if s.conversation == live.conversation and s.turn < oldest_kept]:
+        for snapshot in [
+            s for s in self._snapshots.values() if s.conversation == live.conversation and s.turn < oldest_kept
+        ]:
             self.stats["dropped_turns"] += 1
             self._remove(snapshot)
 
@@ -273,4 +277,4 @@ class StateSnapshotIndex:
         self._next_conversation = state["next_conversation"]
 
 
-__all__ = ["LiveState", "NULL_SLOT", "StateSnapshot", "StateSnapshotIndex"]
+__all__ = ["NULL_SLOT", "LiveState", "StateSnapshot", "StateSnapshotIndex"]

@@ -167,7 +167,9 @@ def model_config_from_hf(hf: Mapping[str, Any], folder: pathlib.Path, name: str)
     """The ``ModelConfig`` of a ``config.json``; raises ``ValueError`` naming the unsupported field."""
     architecture = (hf.get("architectures") or [None])[0]
     if architecture not in ARCHITECTURES:
-        raise ValueError(f"config.json architectures={hf.get('architectures')!r} is not supported; supported: {ARCHITECTURES}")
+        raise ValueError(
+            f"config.json architectures={hf.get('architectures')!r} is not supported; supported: {ARCHITECTURES}"
+        )
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(key) is not None:
             raise ValueError(f"config.json {key}={hf[key]!r} is not supported (no logit soft-capping); it must be null")
@@ -196,9 +198,13 @@ def model_config_from_hf(hf: Mapping[str, Any], folder: pathlib.Path, name: str)
         return _gemma3_config(hf, common)
     activation = _field(hf, "hidden_act", "silu")
     if activation != "silu":
-        raise ValueError(f"config.json hidden_act={activation!r} is not supported for {architecture}; supported: 'silu'")
+        raise ValueError(
+            f"config.json hidden_act={activation!r} is not supported for {architecture}; supported: 'silu'"
+        )
     if architecture == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        raise ValueError("config.json use_sliding_window=true is not supported for Qwen2ForCausalLM (per-layer windows)")
+        raise ValueError(
+            "config.json use_sliding_window=true is not supported for Qwen2ForCausalLM (per-layer windows)"
+        )
     window = hf.get("sliding_window") if architecture == "MistralForCausalLM" else None
     return ModelConfig(**common, sliding_window=None if window is None else int(window),
                        qk_norm=architecture == "Qwen3ForCausalLM")
@@ -254,7 +260,7 @@ def _weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     single = folder / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
-    return {name: single for name in _open(single).keys()}
+    return {name: single for name in _open(single)}
 
 
 def _open(path: pathlib.Path):
@@ -334,9 +340,13 @@ def load_hf(
             for field, module in fields.items()
             if field not in ("q_norm", "k_norm") or cfg.qk_norm
         }
-        weights.update({
-            field: load(f"{prefix}{module}.bias") for field, module in _BIASES.items() if f"{prefix}{module}.bias" in tensors
-        })
+        weights.update(
+            {
+                field: load(f"{prefix}{module}.bias")
+                for field, module in _BIASES.items()
+                if f"{prefix}{module}.bias" in tensors
+            }
+        )
         layers.append(LayerParams(**weights))
     tied = hf.get("tie_word_embeddings", gemma) or "lm_head.weight" not in tensors
     params = Params(
@@ -355,7 +365,9 @@ def _check_shapes(cfg: ModelConfig, params: Params) -> None:
     expected = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, cfg.ffn_dim),
                 "w_up": (d, cfg.ffn_dim), "w_down": (cfg.ffn_dim, d), "bq": (q,), "bk": (kv,), "bv": (kv,)}
     if params.embed.shape != (cfg.vocab_size, d):
-        raise ValueError(f"model.embed_tokens.weight has shape {params.embed.shape}; config.json says {(cfg.vocab_size, d)}")
+        raise ValueError(
+            f"model.embed_tokens.weight has shape {params.embed.shape}; config.json says {(cfg.vocab_size, d)}"
+        )
     for i, lp in enumerate(params.layers):
         for field, shape in expected.items():
             a = getattr(lp, field)
@@ -375,7 +387,9 @@ def _architecture(cfg: ModelConfig, params: Params) -> str:
         return "Qwen2ForCausalLM"
     if cfg.sliding_window is not None:
         if cfg.global_layer_period is not None:
-            raise ValueError(f"model {cfg.name!r}: local and global layers without sandwich norms have no HF architecture")
+            raise ValueError(
+                f"model {cfg.name!r}: local and global layers without sandwich norms have no HF architecture"
+            )
         return "MistralForCausalLM"
     return "LlamaForCausalLM"
 
@@ -448,7 +462,10 @@ def save_hf(cfg: ModelConfig, params: Params, tokenizer: Tokenizer | None, folde
     (folder / "config.json").write_text(json.dumps(_config_json(cfg, params, architecture), indent=2))
     if tokenizer is not None:
         tokenizer.backend.save(str(folder / "tokenizer.json"))
-        settings: dict[str, Any] = {"add_bos_token": tokenizer.add_bos, "eos_token": tokenizer.backend.id_to_token(cfg.eos_ids[0])}
+        settings: dict[str, Any] = {
+            "add_bos_token": tokenizer.add_bos,
+            "eos_token": tokenizer.backend.id_to_token(cfg.eos_ids[0]),
+        }
         if tokenizer.chat_format == "chatml":
             settings["chat_template"] = CHATML_TEMPLATE
         (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))

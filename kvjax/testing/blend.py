@@ -23,12 +23,19 @@ def random_prompt(
     rng: np.random.Generator, vocab: int, prefix_len: int, chunk_lens: list[int], suffix_len: int
 ) -> BlendPrompt:
     """A prompt of uniform random token ids in [3, vocab) with the given part lengths."""
-    draw = lambda n: tuple(int(t) for t in rng.integers(3, vocab, n))  # noqa: E731
+    draw = lambda n: tuple(int(t) for t in rng.integers(3, vocab, n))
     return BlendPrompt(prefix=draw(prefix_len), chunks=tuple(draw(n) for n in chunk_lens), suffix=draw(suffix_len))
 
 
-def tiny_engine(cfg: ModelConfig, params: Params, *, max_tokens: int = 8176, max_seq_len: int = 512, tokens_per_block: int = 16,
-                mesh: Mesh | None = None) -> Engine:
+def tiny_engine(
+    cfg: ModelConfig,
+    params: Params,
+    *,
+    max_tokens: int = 8176,
+    max_seq_len: int = 512,
+    tokens_per_block: int = 16,
+    mesh: Mesh | None = None,
+) -> Engine:
     """An engine over a tiny model (float32 cache of ``max_tokens`` tokens, one-step prefills; the
     default gives 512 pages with the null page, divisible by any mesh's page axis up to 512),
     sharded over ``mesh`` if given."""
@@ -58,4 +65,6 @@ def make_blender(
 
 def submit_blended(store: ChunkStore, prompt: BlendPrompt, selection: SelectionConfig, sampling: SamplingParams) -> str:
     """Submits ``prompt`` to ``store.engine`` as a blended request over its chunk spans; returns its id."""
-    return store.engine.submit(prompt.tokens.tolist(), sampling, chunks=ChunkReuse(store, prompt.roles.chunk_spans, selection))
+    return store.engine.submit(
+        prompt.tokens.tolist(), sampling, chunks=ChunkReuse(store, prompt.roles.chunk_spans, selection)
+    )

@@ -74,7 +74,7 @@ def recurrent_layer_numpy(
     Returns:
       (normed per-head outputs [T, H, d], state after the last token [H, d, d]).
     """
-    p = lambda a: np.asarray(a, dtype=dtype)  # noqa: E731
+    p = lambda a: np.asarray(a, dtype=dtype)
     heads, d = cfg.num_heads, cfg.head_dim
     z = h @ p(lp.decay_w) + p(lp.decay_bias)  # [T, H]
     decay = np.exp(-np.logaddexp(0.0, z))  # exp(-softplus(z))
@@ -94,7 +94,7 @@ def numpy_logits(
     params: Params, cfg: ModelConfig, tokens: np.ndarray, dtype: type = np.float64, rows: np.ndarray | None = None
 ) -> np.ndarray:
     """Logits [T, V] of one sequence of tokens [T] at positions 0..T-1 (only ``rows`` if given)."""
-    p = lambda a: np.asarray(a, dtype=dtype)  # noqa: E731
+    p = lambda a: np.asarray(a, dtype=dtype)
     x = p(params.embed)[np.asarray(tokens)]
     if cfg.embed_scale:
         x = x * np.sqrt(cfg.d_model)
@@ -103,7 +103,9 @@ def numpy_logits(
     for i, lp in enumerate(params.layers):
         h = _rms(x, p(lp.attn_norm), cfg.rms_eps)
         if cfg.is_recurrent(i):
-            o, _ = recurrent_layer_numpy(lp, cfg, h, np.zeros((cfg.num_heads, cfg.head_dim, cfg.head_dim), dtype), dtype)
+            o, _ = recurrent_layer_numpy(
+                lp, cfg, h, np.zeros((cfg.num_heads, cfg.head_dim, cfg.head_dim), dtype), dtype
+            )
             x = _mlp(lp, cfg, x, o, p)
             continue
         q, k, v = (h @ p(w) + (0 if b is None else p(b)) for w, b in ((lp.wq, lp.bq), (lp.wk, lp.bk), (lp.wv, lp.bv)))

@@ -10,7 +10,9 @@ from kvjax.model.config import ModelConfig
 from kvjax.model.transformer import CompileUnit, Params, forward_for
 
 
-def single_group_layout(cfg: ModelConfig, num_pages: int, tokens_per_block: int, windows: tuple[int, ...] | None = None) -> CacheLayout:
+def single_group_layout(
+    cfg: ModelConfig, num_pages: int, tokens_per_block: int, windows: tuple[int, ...] | None = None
+) -> CacheLayout:
     windows = windows or cfg.layer_windows
     groups = len(dict.fromkeys(windows))
     return CacheLayout(

@@ -154,7 +154,9 @@ def quantize_inputs(inputs: PagedInputs, dtype: str, granularity: str) -> Quanti
             scales = np.array(absmax_scale(jnp.asarray(clean), storage))  # [P, t, h]
             scales[poison.any(-1)] = np.nan
         else:
-            scales = np.array(absmax_scale(jnp.asarray(clean.transpose(0, 2, 1, 3).reshape(*raw.shape[::2], -1)), storage))
+            scales = np.array(
+                absmax_scale(jnp.asarray(clean.transpose(0, 2, 1, 3).reshape(*raw.shape[::2], -1)), storage)
+            )
             scales = scales[:, None, :]  # [P, 1, h]
             scales[poison.all((1, 3))[:, None, :]] = np.nan
         values = np.asarray(quantize(jnp.asarray(clean), jnp.asarray(np.nan_to_num(scales, nan=1.0)), storage))

@@ -110,7 +110,9 @@ def check_mosaic_shapes(
     if quantized:
         raise ValueError("quantized pages (k_scales / v_scales) are not supported by the Mosaic GPU kernel")
     if jnp.dtype(dtype) not in DTYPES:
-        raise ValueError(f"page dtype={jnp.dtype(dtype)} must be one of {[d.name for d in DTYPES]} for the Mosaic GPU kernel")
+        raise ValueError(
+            f"page dtype={jnp.dtype(dtype)} must be one of {[d.name for d in DTYPES]} for the Mosaic GPU kernel"
+        )
     if tokens_per_block % TILE_ROWS:
         raise ValueError(f"{tokens_per_block=} must be a multiple of {TILE_ROWS} for the Mosaic GPU kernel")
     if head_dim % 16:

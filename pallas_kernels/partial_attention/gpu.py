@@ -27,6 +27,7 @@ from pallas_kernels import common
 from pallas_kernels.gpu_common import MIN_DOT_ROWS, check_gpu_shapes, gather_scales, is_power_of_two
 from pallas_kernels.tuned_sizes import block_sizes
 
+
 def _kernel(
     q_ref,  # [block_rows, head_dim]
     row_pos_ref,  # [block_rows] int32

@@ -16,14 +16,26 @@ from kvjax.config import KvCacheConfig
 
 def controller(min_ratio=0.15, fixed_s=0.0, headroom=1.0):
     tiers = [TierSpec("hbm", 1e12, 0.0, 2), TierSpec("host", 1e10, 1e-5, 1), TierSpec("disk", 1e8, 1e-4, 0)]
-    return LoadingController(tiers, seconds_per_token_layer=1e-6, bytes_per_token_layer=1536, min_ratio=min_ratio, fixed_s=fixed_s,
-                             headroom=headroom)
+    return LoadingController(
+        tiers,
+        seconds_per_token_layer=1e-6,
+        bytes_per_token_layer=1536,
+        min_ratio=min_ratio,
+        fixed_s=fixed_s,
+        headroom=headroom,
+    )
 
 
 def layout_for(cfg, **kv) -> CacheLayout:
     config = KvCacheConfig(tokens_per_block=16, max_tokens=4096, **kv)
-    return CacheLayout.for_model(config, model_windows=cfg.layer_windows, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                 max_seq_len=512, model_dtype="float32")[0]
+    return CacheLayout.for_model(
+        config,
+        model_windows=cfg.layer_windows,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_seq_len=512,
+        model_dtype="float32",
+    )[0]
 
 
 def test_ratio_is_max_of_floor_and_break_even():
@@ -93,7 +105,9 @@ def test_recompute_cost_is_measured_once_and_cached(tiny, tmp_path, monkeypatch)
     assert measure_recompute(params, cfg, layout, 256, rows=(16, 128)) == cost  # read back, not re-measured
     with pytest.raises(ValueError, match="rows=.* must hold at least two row counts"):
         measure_recompute(params, cfg, layout, 256, rows=(512, 16))
-    controller = LoadingController.measured(params, cfg, layout_for(cfg, host_cache_size=1 << 22), {"host": TierThrottle(0.01)}, 256)
+    controller = LoadingController.measured(
+        params, cfg, layout_for(cfg, host_cache_size=1 << 22), {"host": TierThrottle(0.01)}, 256
+    )
     assert set(controller.tiers) == {"device", "host"}
     assert controller.decide(256, "device").ratio == controller.min_ratio  # nothing to hide on the device
     assert controller.decide(256, "host").ratio >= controller.min_ratio

@@ -11,10 +11,10 @@ from experiments.workloads.rag import make_examples
 from kvjax.blend import selection
 from kvjax.blend.blender import BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
-from kvjax.testing.blend import submit_blended
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.sampling import SamplingParams
+from kvjax.testing.blend import submit_blended
 
 pytestmark = pytest.mark.real_model
 PAGE = 16
@@ -36,7 +36,9 @@ def make_engine(model, *, max_tokens: int, host_pages: int = 0, max_seq_len: int
 
 @pytest.fixture(scope="module")
 def setup(smollm2):
-    ex = make_examples(smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(128, 128))[0]
+    ex = make_examples(
+        smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(128, 128)
+    )[0]
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix)
     engine = make_engine(smollm2, max_tokens=4096)
     store = ChunkStore(engine, variant="system", prefix_tokens=ex.prefix)
@@ -90,7 +92,9 @@ def test_blended_blocks_never_serve_exact_requests(setup):
 
 def test_blend_decodes_alongside_a_normal_request(setup, smollm2):
     _, prompt, engine, store, exact = setup
-    other = engine.submit(smollm2.tokenizer.encode("The capital of France is"), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    other = engine.submit(
+        smollm2.tokenizer.encode("The capital of France is"), SamplingParams(max_new_tokens=8, ignore_eos=True)
+    )
     engine.step()
     rid = submit_blended(store, prompt, selection.SelectionConfig(recompute_ratio=0.15, seed=1), GREEDY)
     together = 0

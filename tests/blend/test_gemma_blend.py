@@ -31,7 +31,9 @@ def setup():
 
     model = load_model("gemma3-270m")
     engine = Engine(
-        model, KvCacheConfig(tokens_per_block=32, max_tokens=8192), SchedulerConfig(max_num_tokens=2048, prefill_chunk_size=2048),
+        model,
+        KvCacheConfig(tokens_per_block=32, max_tokens=8192),
+        SchedulerConfig(max_num_tokens=2048, prefill_chunk_size=2048),
         max_seq_len=1024,
     )
     assert engine.layout.num_groups == 2

@@ -56,7 +56,9 @@ def test_prompt_past_max_seq_len_is_refused_and_the_blender_stays_exact(small, p
     cfg, params = small
     blender = make_blender(cfg, params, prompt, max_tokens=96)
     for policy in (FULL_RECOMPUTE, FULL):
-        with pytest.raises(ValueError, match=r"holds 139 tokens \(prefix 5 \+ chunks \[60, 60\] \+ suffix 14\).*max_seq_len is 96"):
+        with pytest.raises(
+            ValueError, match=r"holds 139 tokens \(prefix 5 \+ chunks \[60, 60\] \+ suffix 14\).*max_seq_len is 96"
+        ):
             blender.run(prompt, policy)
     assert not blender.engine.has_work and not blender.engine.manager.request_ids()
     fits = BlendPrompt(prompt.prefix, (prompt.chunks[0][:40],), prompt.suffix[:10])
@@ -74,7 +76,9 @@ def test_token_ids_and_chunk_lengths_are_checked_on_the_blend_path(small, prompt
     store = blender.store
     with pytest.raises(ValueError, match=rf"tokens\[0\]={cfg.vocab_size + 5} must be an int token id"):
         store.put([cfg.vocab_size + 5, 3])
-    with pytest.raises(ValueError, match=r"a chunk of 156 tokens must hold between 1 and engine.max_seq_len=160 - 5 .* = 139"):
+    with pytest.raises(
+        ValueError, match=r"a chunk of 156 tokens must hold between 1 and engine.max_seq_len=160 - 5 .* = 139"
+    ):
         store.put([3] * 156)
     with pytest.raises(ValueError, match=r"prefix_tokens\[1\]=-1 must be an int token id"):
         ChunkStore(store.engine, prefix_tokens=(3, -1))
@@ -86,7 +90,9 @@ def test_prompt_without_chunks_blends_exactly(small):
     prompt = random_prompt(np.random.default_rng(1), cfg.vocab_size, 7, [], 9)
     blender = make_blender(cfg, params, prompt, max_tokens=64)
     full = blender.run(prompt, FULL_RECOMPUTE).logits[0]
-    assert rel_err(blender.run(prompt, selection.SelectionConfig(selector="none", row_bucket=16)).logits[-1], full) < RTOL
+    assert (
+        rel_err(blender.run(prompt, selection.SelectionConfig(selector="none", row_bucket=16)).logits[-1], full) < RTOL
+    )
 
 
 # ---------------------------------------------------------------------- through the engine
@@ -102,20 +108,33 @@ def test_submit_with_chunks_refuses_bad_inputs_before_touching_anything(small, e
     cfg, _ = small
     engine, store = engine_store
     rng = np.random.default_rng(4)
-    draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))  # noqa: E731
+    draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))
     prefix = store.prefix_tokens
     puts, free = store.stats.puts, engine.manager.num_free_pages(0)
     tokens = [*prefix, *draw(30)]
     cases = [
-        ((*prefix, *draw(5), cfg.vocab_size, 3), ChunkReuse(store, ((5, 10),), FULL), GREEDY,
-         rf"prompt_token_ids\[\d+\]={cfg.vocab_size} must be an int token id in \[0, {cfg.vocab_size - 1}\]"),
+        (
+            (*prefix, *draw(5), cfg.vocab_size, 3),
+            ChunkReuse(store, ((5, 10),), FULL),
+            GREEDY,
+            rf"prompt_token_ids\[\d+\]={cfg.vocab_size} must be an int token id in \[0, {cfg.vocab_size - 1}\]",
+        ),
         (tokens, ChunkReuse(store, ((5, 40),), FULL), GREEDY, r"chunks.spans\[0\]=\(5, 40\) must be non-empty.*<= 34"),
         (tokens, ChunkReuse(store, ((5, 20), (10, 30)), FULL), GREEDY, r"chunks.spans\[1\]=\(10, 30\).*>= 20"),
         (tokens, ChunkReuse(store, ((5, 30),), FULL, num_prompt_logits=9), GREEDY, r"chunks.num_prompt_logits=9"),
-        (tokens, ChunkReuse(store, ((5, 30),), dataclasses.replace(FULL, selector="oracle")), GREEDY, r"needs chunks.scores"),
+        (
+            tokens,
+            ChunkReuse(store, ((5, 30),), dataclasses.replace(FULL, selector="oracle")),
+            GREEDY,
+            r"needs chunks.scores",
+        ),
         (tokens, ChunkReuse(store, ((5, 30),), FULL), SamplingParams(max_new_tokens=150), r"exceeds max_seq_len=160"),
-        (tokens, ChunkReuse(store, ((5, 30),), FULL), SamplingParams(stop_token_id=cfg.vocab_size),
-         rf"sampling.stop_token_id={cfg.vocab_size} must be in \[0, {cfg.vocab_size}\)"),
+        (
+            tokens,
+            ChunkReuse(store, ((5, 30),), FULL),
+            SamplingParams(stop_token_id=cfg.vocab_size),
+            rf"sampling.stop_token_id={cfg.vocab_size} must be in \[0, {cfg.vocab_size}\)",
+        ),
     ]
     for prompt, chunks, sampling, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -134,7 +153,7 @@ def test_engine_blend_without_chunks_and_many_stored_chunks(small, engine_store)
     cfg, _ = small
     engine, store = engine_store
     rng = np.random.default_rng(5)
-    draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))  # noqa: E731
+    draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))
     for _ in range(4):  # more store requests than the engine's finished history holds
         store.put(draw(20))
     prompt = BlendPrompt(store.prefix_tokens, (), draw(11))
@@ -150,7 +169,7 @@ def test_user_salts_cannot_reach_chunk_or_blend_scopes(small, engine_store):
     cfg, _ = small
     engine, store = engine_store
     rng = np.random.default_rng(6)
-    draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))  # noqa: E731
+    draw = lambda n: tuple(int(t) for t in rng.integers(3, cfg.vocab_size, n))
     chunk = draw(40)
     store.put(chunk)
     stored = list(store.stored_tokens(chunk))

@@ -74,12 +74,16 @@ def test_pipelined_onboarding_gives_the_output_of_onboarding_first(smollm2, prom
     assert during.layerwise_pages == during.onboarded_pages  # nothing else moved in that step
     assert {e["pages"] for e in during.timeline["load"]} == {during.layerwise_pages}
     assert_layers_loaded_before_they_compute(during.timeline, smollm2.config.num_layers, tier)
-    assert sorted(layer for e in before.timeline["compute"] for layer in range(*e["layers"])) == list(range(smollm2.config.num_layers))
+    assert sorted(layer for e in before.timeline["compute"] for layer in range(*e["layers"])) == list(
+        range(smollm2.config.num_layers)
+    )
 
 
 def test_a_throttled_host_tier_changes_only_the_time(smollm2, prompt, tmp_path):
     plain = blend_from(smollm2, prompt, "host", pipelined=True, tmp_path=tmp_path / "plain")
-    slow = blend_from(smollm2, prompt, "host", pipelined=True, tmp_path=tmp_path / "slow", host_read_gbps=0.05, host_latency_ms=2)
+    slow = blend_from(
+        smollm2, prompt, "host", pipelined=True, tmp_path=tmp_path / "slow", host_read_gbps=0.05, host_latency_ms=2
+    )
     assert slow.output == plain.output
     for a, b in zip(plain.logits, slow.logits, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)

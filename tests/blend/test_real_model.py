@@ -24,8 +24,12 @@ def rel_err(a, b) -> float:
 
 
 def make_blender(model, prefix: tuple[int, ...], variant: str, chunks, tokens_per_block: int = 32) -> Blender:
-    engine = Engine(model, KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=8192), SchedulerConfig(prefill_chunk_size=2048),
-                    max_seq_len=1024)
+    engine = Engine(
+        model,
+        KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=8192),
+        SchedulerConfig(prefill_chunk_size=2048),
+        max_seq_len=1024,
+    )
     store = ChunkStore(engine, variant=variant, prefix_tokens=prefix)
     for chunk in chunks:
         store.put(chunk)
@@ -34,7 +38,9 @@ def make_blender(model, prefix: tuple[int, ...], variant: str, chunks, tokens_pe
 
 @pytest.fixture(scope="module")
 def setup(smollm2):
-    ex = make_examples(smollm2.tokenizer, num=1, seed=3, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(256, 256))[0]
+    ex = make_examples(
+        smollm2.tokenizer, num=1, seed=3, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(256, 256)
+    )[0]
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix)
     blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks)
     full = blender.run(prompt, FULL_RECOMPUTE).logits[0]
@@ -54,7 +60,9 @@ def test_ratio_zero_equals_full_kv_reuse(setup):
 
 
 def test_single_chunk_at_position_zero_is_exact(smollm2):
-    ex = make_examples(smollm2.tokenizer, num=1, seed=4, tasks=("single_chunk",), num_chunks=(3, 3), chunk_tokens=(256, 256))[0]
+    ex = make_examples(
+        smollm2.tokenizer, num=1, seed=4, tasks=("single_chunk",), num_chunks=(3, 3), chunk_tokens=(256, 256)
+    )[0]
     prompt = BlendPrompt((), ex.chunks[:1], ex.suffix)
     blender = make_blender(smollm2, (), "pos0", prompt.chunks)
     full = blender.run(prompt, FULL_RECOMPUTE).logits[0]
@@ -95,7 +103,9 @@ def test_an_extension_continues_the_runs_fused_kv(smollm2):
     of feeding the tokens inside the blended request itself, and the same greedy tokens."""
     from kvjax.blend.blender import Extension
 
-    ex = make_examples(smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    ex = make_examples(
+        smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
+    )[0]
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix)
     blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=16)
     assert prompt.roles.num_tokens >= 512
@@ -103,7 +113,9 @@ def test_an_extension_continues_the_runs_fused_kv(smollm2):
     feed = tuple(smollm2.tokenizer.encode(" the answer is seven", add_bos=False))
     inside = blender.run(prompt, policy, feed=feed, max_new_tokens=4)
     run = blender.run(prompt, policy)
-    forced, greedy = blender.extend([Extension(run, feed, prompt_logits=len(feed) + 1), Extension(run, feed, max_new_tokens=4)])
+    forced, greedy = blender.extend(
+        [Extension(run, feed, prompt_logits=len(feed) + 1), Extension(run, feed, max_new_tokens=4)]
+    )
     assert forced.num_reused_tokens >= prompt.roles.suffix_start
     assert rel_err(forced.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
     assert greedy.output == inside.tokens
@@ -117,7 +129,9 @@ def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
     extension computes only the fed rows, and the logits after the prompt are the run's own."""
     from kvjax.blend.blender import Extension
 
-    ex = make_examples(smollm2.tokenizer, num=1, seed=6, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    ex = make_examples(
+        smollm2.tokenizer, num=1, seed=6, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
+    )[0]
     n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[: len(ex.suffix) - n % 16])
     assert prompt.roles.num_tokens % 16 == 0 and prompt.roles.num_tokens >= 512 and len(prompt.suffix) >= 16
@@ -139,9 +153,13 @@ def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_k
     forcing and the greedy answer equal feeding the tokens inside the blended request."""
     from kvjax.blend.blender import Extension
 
-    ex = make_examples(smollm2.tokenizer, num=1, seed=7, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    ex = make_examples(
+        smollm2.tokenizer, num=1, seed=7, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
+    )[0]
     trim = (len(ex.prefix) + sum(map(len, ex.chunks)) - 8) % 16  # the chunks end 8 tokens into a page
-    prompt = BlendPrompt(ex.prefix, (*ex.chunks[:-1], ex.chunks[-1][: len(ex.chunks[-1]) - trim]), ex.suffix[-suffix_tokens:])
+    prompt = BlendPrompt(
+        ex.prefix, (*ex.chunks[:-1], ex.chunks[-1][: len(ex.chunks[-1]) - trim]), ex.suffix[-suffix_tokens:]
+    )
     n, ps = prompt.roles.num_tokens, 16
     assert n >= 512 and n // ps * ps < prompt.roles.suffix_start  # the last chunk ends inside the partial page
     blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=ps)
@@ -150,8 +168,13 @@ def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_k
     inside = blender.run(prompt, policy, feed=feed, max_new_tokens=4)
     run = blender.run(prompt, policy, fill_last_page=True)
     assert len(run.tokens) == blender.fill_tokens(prompt) == -n % ps + 1
-    forced, greedy, answer = blender.extend([Extension(run, feed, prompt_logits=len(feed) + 1),
-                                             Extension(run, feed, max_new_tokens=4), Extension(run, (), max_new_tokens=4)])
+    forced, greedy, answer = blender.extend(
+        [
+            Extension(run, feed, prompt_logits=len(feed) + 1),
+            Extension(run, feed, max_new_tokens=4),
+            Extension(run, (), max_new_tokens=4),
+        ]
+    )
     assert min(o.num_reused_tokens for o in (forced, greedy, answer)) >= prompt.roles.suffix_start
     assert len(forced.prompt_logits) == len(feed) + 1
     assert rel_err(forced.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
@@ -166,20 +189,28 @@ def test_extensions_sharing_fed_tokens_get_every_logit_from_whoever_computed_it(
     the prompt; its logits there come from the first, and equal feeding inside the run."""
     from kvjax.blend.blender import Extension
 
-    ex = make_examples(smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    ex = make_examples(
+        smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
+    )[0]
     n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
-    prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[(n + 1) % 16 :])  # n = 15 (mod 16): one fed token fills the page
+    # n = 15 (mod 16): one fed token fills the page
+    prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[(n + 1) % 16 :])
     assert prompt.roles.num_tokens % 16 == 15 and prompt.roles.num_tokens >= 512 and len(prompt.suffix) >= 16
     blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=16)
     policy = SelectionConfig(selector="cacheblend", recompute_ratio=0.15)
     first = tuple(smollm2.tokenizer.encode(" the key is seven", add_bos=False))
     second = (first[0], *smollm2.tokenizer.encode(" value was nine", add_bos=False))
     run = blender.run(prompt, policy)
-    a, b = blender.extend([Extension(run, first, prompt_logits=len(first) + 1), Extension(run, second, prompt_logits=len(second) + 1)])
+    a, b = blender.extend(
+        [Extension(run, first, prompt_logits=len(first) + 1), Extension(run, second, prompt_logits=len(second) + 1)]
+    )
     assert b.num_reused_tokens > prompt.roles.num_tokens  # it reused the page the first extension committed
     for feed, out in ((first, a), (second, b)):
         inside = blender.run(prompt, policy, feed=feed)
-        assert len(out.prompt_logits) == len(feed) + 1 and rel_err(out.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
+        assert (
+            len(out.prompt_logits) == len(feed) + 1
+            and rel_err(out.prompt_logits, inside.logits[: len(feed) + 1]) <= 1e-4
+        )
 
 
 def test_extensions_of_runs_of_other_policies_never_take_each_others_logits(smollm2):
@@ -189,7 +220,9 @@ def test_extensions_of_runs_of_other_policies_never_take_each_others_logits(smol
     # must take that position's logits from its own run, equal to feeding it inside the run.
     from kvjax.blend.blender import Extension
 
-    ex = make_examples(smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200))[0]
+    ex = make_examples(
+        smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
+    )[0]
     n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[(n + 1) % 16 :])
     assert prompt.roles.num_tokens % 16 == 15 and prompt.roles.num_tokens >= 512
@@ -199,7 +232,8 @@ def test_extensions_of_runs_of_other_policies_never_take_each_others_logits(smol
     assert runs[0].tokens[0] == runs[1].tokens[0]
     answer = (runs[0].tokens[0], *smollm2.tokenizer.encode(" the key is seven", add_bos=False))
     outs = blender.extend([Extension(run, answer[:-1], prompt_logits=len(answer)) for run in runs])
-    assert all(out.num_reused_tokens > prompt.roles.num_tokens for out in outs)  # each reused its run's page past the prompt
+    # each reused its run's page past the prompt
+    assert all(out.num_reused_tokens > prompt.roles.num_tokens for out in outs)
     for policy, out in zip(policies, outs):
         inside = blender.run(prompt, policy, feed=answer[:-1])
         assert rel_err(out.prompt_logits, inside.logits[: len(answer)]) <= 1e-4, policy.selector
@@ -213,15 +247,30 @@ def test_variants_run_together_equal_each_alone(setup):
     rng = np.random.default_rng(0)
     scores = rng.random((model.config.num_layers, prompt.roles.num_tokens))
     weights = tuple(rng.normal(size=8 * 7 + 1).tolist())
-    selectors = ("cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "learned", "random", "oracle")
+    selectors = (
+        "cacheblend",
+        "cacheblend_single",
+        "epic",
+        "query_aware",
+        "query_aware_fused",
+        "learned",
+        "random",
+        "oracle",
+    )
     engine = blender.engine
     for ratio in (0.05, 0.15, 0.5):
-        policies = [SelectionConfig(selector=name, recompute_ratio=ratio, row_bucket=16, scorer=weights if name == "learned" else ())
-                    for name in selectors]
+        policies = [
+            SelectionConfig(
+                selector=name, recompute_ratio=ratio, row_bucket=16, scorer=weights if name == "learned" else ()
+            )
+            for name in selectors
+        ]
         steps = engine.timings["blend_steps"]
         together = blender.run_together(prompt, policies, scores=scores)
         assert engine.timings["blend_steps"] - steps < len(policies)
         for policy, run in zip(policies, together):
             alone = blender.run(prompt, policy, scores=scores)
-            np.testing.assert_array_equal(run.report.recomputed, alone.report.recomputed, err_msg=f"{policy.selector}@{ratio}")
+            np.testing.assert_array_equal(
+                run.report.recomputed, alone.report.recomputed, err_msg=f"{policy.selector}@{ratio}"
+            )
             assert rel_err(run.logits, alone.logits) <= RTOL, f"{policy.selector}@{ratio}"

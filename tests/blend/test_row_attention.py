@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kvjax import attention
-from pallas_kernels.partial_attention.reference import partial_attention_ref
 from kvjax.attention.rows import row_attention
+from pallas_kernels.partial_attention.reference import partial_attention_ref
 
 PAGE = 8
 SLOTS = 6 * PAGE

@@ -11,7 +11,15 @@ import pytest
 from kvjax.blend import scorer
 from kvjax.blend.blender import FULL_RECOMPUTE
 from kvjax.blend.selection import (
-    FEATURES, SCHEDULE_SELECTORS, Roles, SelectionConfig, mlp_score, plan, received_attention, row_capacity, target_count,
+    FEATURES,
+    SCHEDULE_SELECTORS,
+    Roles,
+    SelectionConfig,
+    mlp_score,
+    plan,
+    received_attention,
+    row_capacity,
+    target_count,
 )
 from kvjax.config import ConfigError
 from kvjax.testing.blend import make_blender, random_prompt
@@ -27,7 +35,10 @@ def setup(tiny):
     n = prompt.roles.num_tokens
     exact = blender.run(prompt, SelectionConfig(selector="all", row_bucket=16), num_probes=1).trace
     reused = blender.run(prompt, SelectionConfig(selector="none", row_bucket=16), num_probes=1).trace
-    kv = {name: (np.asarray(t["k"])[:, :n], np.asarray(t["v"])[:, :n]) for name, t in (("exact", exact), ("reused", reused))}
+    kv = {
+        name: (np.asarray(t["k"])[:, :n], np.asarray(t["v"])[:, :n])
+        for name, t in (("exact", exact), ("reused", reused))
+    }
     return cfg, prompt, blender, kv
 
 
@@ -40,7 +51,9 @@ def chosen(run, prompt) -> np.ndarray:
 
 def test_cacheblend_single_is_top_k_key_difference_at_layer_1_frozen(setup):
     _, prompt, blender, kv = setup
-    run = blender.run(prompt, SelectionConfig(selector="cacheblend_single", recompute_ratio=RATIO, row_bucket=8), num_probes=2)
+    run = blender.run(
+        prompt, SelectionConfig(selector="cacheblend_single", recompute_ratio=RATIO, row_bucket=8), num_probes=2
+    )
     rec = np.asarray(run.trace["recomputed"])
     assert (rec[2:] == rec[2]).all()  # frozen after the check
     # layer 1 runs every token, so its fresh keys are the full-recompute keys
@@ -83,7 +96,9 @@ def test_received_attention_matches_a_numpy_reference():
 
 def test_trace_features_hold_the_layer_1_deviations(setup):
     _, prompt, blender, kv = setup
-    run = blender.run(prompt, SelectionConfig(selector="query_aware", recompute_ratio=RATIO, row_bucket=8), num_probes=1)
+    run = blender.run(
+        prompt, SelectionConfig(selector="query_aware", recompute_ratio=RATIO, row_bucket=8), num_probes=1
+    )
     feats = np.asarray(run.trace["features"])
     assert feats.shape[1] == len(FEATURES)
     selectable, _ = prompt.roles.masks(prompt.roles.num_tokens)
@@ -105,7 +120,9 @@ def test_trace_features_hold_the_layer_1_deviations(setup):
 def test_new_schedules_at_ratio_one_equal_full_recompute(setup, selector):
     _, prompt, blender, _ = setup
     full = blender.run(prompt, FULL_RECOMPUTE).logits[0]
-    got = blender.run(prompt, SelectionConfig(selector=selector, recompute_ratio=1.0, budgets=(1.0, 1.0, 1.0), row_bucket=16)).logits[-1]
+    got = blender.run(
+        prompt, SelectionConfig(selector=selector, recompute_ratio=1.0, budgets=(1.0, 1.0, 1.0), row_bucket=16)
+    ).logits[-1]
     assert np.max(np.abs(got - full)) / np.max(np.abs(full)) < 1e-5
 
 

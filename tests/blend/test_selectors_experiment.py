@@ -82,13 +82,22 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
         for share in ("95%", "99%"):
             lo, ratio, hi = (budget[f"ratio_{share}{end}"] for end in ("_lo", "", "_hi"))
             assert 0.0 <= lo <= ratio <= hi <= 1.0 and budget[f"speedup_{share}"] > 0
-    for name in ("policy_quality", "gold_vs_ratio", "gold_ll_vs_ratio", "kl_vs_ratio", "kv_deviation_cdf", "pareto_ttft",
-                 "pareto_flops"):
+    for name in (
+        "policy_quality",
+        "gold_vs_ratio",
+        "gold_ll_vs_ratio",
+        "kl_vs_ratio",
+        "kv_deviation_cdf",
+        "pareto_ttft",
+        "pareto_flops",
+    ):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# CacheBlend selectors vs full recompute (squad_multidoc, smollm2-135m; 2 of 2 prompts)")
     assert "## Headline" in summary and "**gold_ll**: full reuse minus full recompute" in summary
-    assert "not significantly different" in summary and "prompts per hour" in summary and "## Recompute ratio" in summary
+    assert (
+        "not significantly different" in summary and "prompts per hour" in summary and "## Recompute ratio" in summary
+    )
     assert all(np.isfinite(h["reuse_minus_full"]) for h in results["headline"])
     records = (tmp_path / RECORDS).read_text().splitlines()
     assert len(records) == config.num_prompts
@@ -109,8 +118,12 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
     config.piece.max_prompts = 0
     assert cacheblend.run(config, pieces)["pieces"] == 2
     quality = ("kl", "top1", "gold_ll", "gold", "answer", "flop_fraction")
-    scored = [[(k, [v[m] for m in quality]) for k, v in sorted(r["runs"].items())] for r in read_lines(pieces / RECORDS)]
-    straight = [[(k, [v[m] for m in quality]) for k, v in sorted(r["runs"].items())] for r in read_lines(tmp_path / RECORDS)]
+    scored = [
+        [(k, [v[m] for m in quality]) for k, v in sorted(r["runs"].items())] for r in read_lines(pieces / RECORDS)
+    ]
+    straight = [
+        [(k, [v[m] for m in quality]) for k, v in sorted(r["runs"].items())] for r in read_lines(tmp_path / RECORDS)
+    ]
     assert scored == straight
     other = cacheblend_rag.get_config("tiny")
     other.eval.continuation_tokens = 6

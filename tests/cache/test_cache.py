@@ -6,7 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache import NULL_PAGE, CacheLayout, choose_cache_size, copy_pages, init_pool, read_pages, slot_mapping, write_pages
+from kvjax.cache import (
+    NULL_PAGE,
+    CacheLayout,
+    choose_cache_size,
+    copy_pages,
+    init_pool,
+    read_pages,
+    slot_mapping,
+    write_pages,
+)
 from kvjax.config import KvCacheConfig
 
 
@@ -40,7 +49,9 @@ def test_sizing_takes_the_smaller_of_fraction_and_max_tokens():
     assert (by_fraction.num_tokens, by_fraction.limited_by) == (5000, "free_gpu_memory_fraction")
     capped = choose_cache_size(KvCacheConfig(free_memory_bytes=free, max_tokens=1200), 100)
     assert (capped.num_tokens, capped.limited_by, capped.cache_bytes) == (1200, "max_tokens", 120_000)
-    roomy = choose_cache_size(KvCacheConfig(free_memory_bytes=free, max_tokens=10**9, free_gpu_memory_fraction=0.1), 100)
+    roomy = choose_cache_size(
+        KvCacheConfig(free_memory_bytes=free, max_tokens=10**9, free_gpu_memory_fraction=0.1), 100
+    )
     assert roomy.num_tokens == 1000
 
 
@@ -72,6 +83,8 @@ def test_copy_read_write_pages_touch_only_their_group():
 
 def test_layout_rejects_bad_page_counts():
     with pytest.raises(ValueError, match=r"num_pages has 1 entries but the windows \(16, 64\) define 2 layer groups"):
-        CacheLayout(layer_windows=(16, 64), num_pages=(4,), tokens_per_block=4, num_kv_heads=1, head_dim=8, max_seq_len=64)
+        CacheLayout(
+            layer_windows=(16, 64), num_pages=(4,), tokens_per_block=4, num_kv_heads=1, head_dim=8, max_seq_len=64
+        )
     with pytest.raises(ValueError, match="must be >= 2 per group"):
         CacheLayout(layer_windows=(64,), num_pages=(1,), tokens_per_block=4, num_kv_heads=1, head_dim=8, max_seq_len=64)

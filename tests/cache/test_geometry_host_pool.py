@@ -16,8 +16,17 @@ from kvjax.config import KvCacheConfig
 
 
 def _layout(windows=(16, 64, 16), pages=6, dtype="float32", host=0, disk=0) -> CacheLayout:
-    return CacheLayout(layer_windows=windows, num_pages=(pages,) * len(dict.fromkeys(windows)), tokens_per_block=4,
-                       num_kv_heads=2, head_dim=8, max_seq_len=64, dtype=dtype, num_host_pages=host, num_disk_pages=disk)
+    return CacheLayout(
+        layer_windows=windows,
+        num_pages=(pages,) * len(dict.fromkeys(windows)),
+        tokens_per_block=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_seq_len=64,
+        dtype=dtype,
+        num_host_pages=host,
+        num_disk_pages=disk,
+    )
 
 
 def _for_model(**config) -> CacheLayout:
@@ -46,7 +55,9 @@ def test_layout_refuses_bad_tiers_and_windows():
         _layout(host=-1)
     with pytest.raises(ValueError, match=r"num_disk_pages=2 needs a host tier"):
         _layout(disk=2)
-    with pytest.raises(ValueError, match=r"layer_windows=\(128,\) must be a non-empty tuple of ints in \[1, max_seq_len=64\]"):
+    with pytest.raises(
+        ValueError, match=r"layer_windows=\(128,\) must be a non-empty tuple of ints in \[1, max_seq_len=64\]"
+    ):
         _layout(windows=(128,))
 
 
@@ -104,5 +115,7 @@ def test_sequence_slots_read_and_write_round_trip():
         table = jnp.asarray(tables[lay.layer_group[layer]], jnp.int32)[None]
         ids, offs = slot_mapping(table, written[None], lay.tokens_per_block)
         for pages, values in ((pool.k[layer], k[layer]), (pool.v[layer], v[layer])):
-            got = np.asarray(read_slots(write_layer(pages, ids, offs, values[None]), page_ids[lay.layer_group[layer]], offsets))
+            got = np.asarray(
+                read_slots(write_layer(pages, ids, offs, values[None]), page_ids[lay.layer_group[layer]], offsets)
+            )
             np.testing.assert_array_equal(got[[0, 2, 3]], np.asarray(values)[positions])

@@ -67,7 +67,9 @@ def test_bytes_per_token_include_scales_and_match_the_pool(dtype, granularity):
 
 
 def test_bad_dtype_and_granularity_are_refused():
-    with pytest.raises(ValueError, match=r"dtype='int4' must be one of \('float32', 'bfloat16', 'float16', 'int8', 'fp8'\)"):
+    with pytest.raises(
+        ValueError, match=r"dtype='int4' must be one of \('float32', 'bfloat16', 'float16', 'int8', 'fp8'\)"
+    ):
         layout("int4", "token")
     with pytest.raises(ValueError, match=r"scale_granularity='row' must be one of \('token', 'page'\)"):
         layout("int8", "row")
@@ -80,13 +82,18 @@ def test_bad_dtype_and_granularity_are_refused():
 def test_token_scales_are_each_tokens_absmax(dtype):
     lay = layout(dtype, "token", windows=(64,))
     pages = init_pool(lay).k[0]
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, KV_HEADS, HEAD_DIM)) * np.array([1.0, 30.0])[:, None, None, None], jnp.float32)
+    x = jnp.asarray(
+        np.random.default_rng(0).normal(size=(2, 5, KV_HEADS, HEAD_DIM)) * np.array([1.0, 30.0])[:, None, None, None],
+        jnp.float32,
+    )
     ids = jnp.array([[1, 1, 1, 1, 2], [3, 3, 3, 3, 4]], jnp.int32)
     offsets = jnp.array([[0, 1, 2, 3, 0], [0, 1, 2, 3, 0]], jnp.int32)
     pages = write_layer(pages, ids, offsets, x)
     assert pages.values.dtype == KV_STORAGE_DTYPES[dtype]
     expected_scales = np.max(np.abs(np.asarray(x)), axis=-1) / qmax(pages.values.dtype)
-    np.testing.assert_allclose(np.asarray(pages.scales)[np.asarray(ids), np.asarray(offsets)], expected_scales, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(pages.scales)[np.asarray(ids), np.asarray(offsets)], expected_scales, rtol=1e-6
+    )
     back = np.asarray(read_slots(pages, ids, offsets))
     assert np.all(np.abs(back - np.asarray(x)) <= step_bound(dtype, expected_scales[..., None], np.asarray(x)))
     assert not np.array_equal(back, np.asarray(x))
@@ -96,14 +103,18 @@ def test_token_scales_are_each_tokens_absmax(dtype):
 def test_page_scales_are_the_running_absmax_and_restart_at_offset_zero(dtype):
     lay = layout(dtype, "page", windows=(64,))
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.normal(size=(1, 8, KV_HEADS, HEAD_DIM)) * np.linspace(0.5, 4.0, 8)[None, :, None, None], jnp.float32)
+    x = jnp.asarray(
+        rng.normal(size=(1, 8, KV_HEADS, HEAD_DIM)) * np.linspace(0.5, 4.0, 8)[None, :, None, None], jnp.float32
+    )
     ids = jnp.array([[5, 5, 5, 5, 6, 6, 6, 6]], jnp.int32)
     offsets = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3]], jnp.int32)
     at_once = write_layer(init_pool(lay).k[0], ids, offsets, x)
     one_by_one = init_pool(lay).k[0]
     for t in range(8):  # decode: growing tokens raise the page scale and re-quantize the page
         one_by_one = write_layer(one_by_one, ids[:, t : t + 1], offsets[:, t : t + 1], x[:, t : t + 1])
-    absmax = np.max(np.abs(np.asarray(x[0]).reshape(2, 4, KV_HEADS, HEAD_DIM)), axis=(1, 3)) / qmax(at_once.values.dtype)
+    absmax = np.max(np.abs(np.asarray(x[0]).reshape(2, 4, KV_HEADS, HEAD_DIM)), axis=(1, 3)) / qmax(
+        at_once.values.dtype
+    )
     for pages in (at_once, one_by_one):
         np.testing.assert_allclose(np.asarray(pages.scales)[5:7, 0], absmax, rtol=1e-6)
         back = np.asarray(read_slots(pages, ids, offsets))
@@ -142,7 +153,9 @@ def test_page_ops_and_host_tier_move_values_and_scales_exactly(dtype, granularit
     pool = init_pool(lay)
     ids = jnp.asarray(np.repeat(np.arange(1, 6), PAGE)[None], jnp.int32)
     offsets = jnp.asarray(np.tile(np.arange(PAGE), 5)[None], jnp.int32)
-    fill = lambda pages: write_layer(pages, ids, offsets, jnp.asarray(rng.normal(size=(1, 5 * PAGE, KV_HEADS, HEAD_DIM)), jnp.float32))  # noqa: E731
+    fill = lambda pages: write_layer(
+        pages, ids, offsets, jnp.asarray(rng.normal(size=(1, 5 * PAGE, KV_HEADS, HEAD_DIM)), jnp.float32)
+    )
     pool = type(pool)(k=tuple(fill(p) for p in pool.k), v=tuple(fill(p) for p in pool.v))
     before = jax.tree.map(np.asarray, pool)
     pool = copy_pages(pool, lay, 0, jnp.array([1, 2]), jnp.array([4, 5]))
@@ -169,8 +182,11 @@ def test_tiny_model_over_a_quantized_pool(dtype, monkeypatch):
     tokens = np.random.default_rng(4).integers(3, cfg.vocab_size, 80)
     exact, _, _ = paged.chunked_logits(params, cfg, tokens, [80])
     base_layout = paged.single_group_layout
-    monkeypatch.setattr(paged, "single_group_layout",
-                        lambda *a, **k: dataclasses.replace(base_layout(*a, **k), dtype=dtype, scale_granularity="token"))
+    monkeypatch.setattr(
+        paged,
+        "single_group_layout",
+        lambda *a, **k: dataclasses.replace(base_layout(*a, **k), dtype=dtype, scale_granularity="token"),
+    )
     one_shot, pool, _ = paged.chunked_logits(params, cfg, tokens, [80])
     chunked, _, _ = paged.chunked_logits(params, cfg, tokens, [32, 20, 1, 1, 26])
     assert isinstance(pool.k[0], QuantizedPages) and pool.k[0].values.dtype == KV_STORAGE_DTYPES[dtype]
@@ -193,7 +209,9 @@ def long_prompt(smollm2, reference_text) -> list[int]:
 
 @pytest.fixture(scope="module")
 def float32_run(smollm2, long_prompt):
-    [out] = _engine(smollm2, "float32").generate([long_prompt], SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True))
+    [out] = _engine(smollm2, "float32").generate(
+        [long_prompt], SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True)
+    )
     return out
 
 
@@ -228,7 +246,7 @@ def test_smollm2_quantized_cache_deviates_little_from_float32(smollm2, long_prom
 
 def test_smollm2_quantized_snapshot_and_host_tier_round_trip_exactly(smollm2, long_prompt, tmp_path):
     page_bytes = _engine(smollm2, "int8", tokens_per_block=16).layout.bytes_per_page(0)
-    make = lambda: _engine(smollm2, "int8", max_seq_len=256, tokens_per_block=16, max_tokens=16 * 24,  # noqa: E731
+    make = lambda: _engine(smollm2, "int8", max_seq_len=256, tokens_per_block=16, max_tokens=16 * 24,
                            host_cache_size=16 * page_bytes)
     engine = make()
     greedy = SamplingParams(max_new_tokens=4, ignore_eos=True, return_logits=True)
@@ -239,7 +257,9 @@ def test_smollm2_quantized_snapshot_and_host_tier_round_trip_exactly(smollm2, lo
     save_snapshot(engine, tmp_path)
     restored = make()
     restore_snapshot(restored, tmp_path)
-    for a, b in zip(jax.tree.leaves((engine.pool, engine.host_pool.host)), jax.tree.leaves((restored.pool, restored.host_pool.host))):
+    for a, b in zip(
+        jax.tree.leaves((engine.pool, engine.host_pool.host)), jax.tree.leaves((restored.pool, restored.host_pool.host))
+    ):
         assert a.dtype == b.dtype and a.dtype in (jnp.int8, jnp.float32)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     query = prompts[0] + [30, 31]
@@ -258,7 +278,11 @@ def test_bench_memory_rows_check_the_formula_against_the_pool(smollm2):
     with config.unlocked():
         config.attention.kv_heads = (3,)
     rows = {(r["dtype"], r["scales"]): r for r in attention_rows(config, smollm2)}
-    assert set(rows) == {("float32", "-"), ("bfloat16", "-"), *((d, g) for d in ("int8", "fp8") for g in ("token", "page"))}
+    assert set(rows) == {
+        ("float32", "-"),
+        ("bfloat16", "-"),
+        *((d, g) for d in ("int8", "fp8") for g in ("token", "page")),
+    }
     assert rows[("float32", "-")]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     assert rows[("int8", "token")]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
     assert rows[("fp8", "page")]["allocated_bytes_per_slot"] == 2 * 30 * 3 * (64 + 4 / 32)

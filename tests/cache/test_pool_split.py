@@ -34,7 +34,10 @@ def test_pool_ratio_splits_the_bytes_by_weight():
     equal = _for_model()
     budget = sum(_split_bytes(equal))
     shares = [b / budget for b in _split_bytes(layout)]
-    assert layout.num_pages == (1 + budget // 4 // layout.bytes_per_page(0), 1 + 3 * budget // 4 // layout.bytes_per_page(1))
+    assert layout.num_pages == (
+        1 + budget // 4 // layout.bytes_per_page(0),
+        1 + 3 * budget // 4 // layout.bytes_per_page(1),
+    )
     assert shares == pytest.approx([0.25, 0.75])
 
 
@@ -55,9 +58,21 @@ def test_hybrid_models_warn_and_use_half_of_max_seq_len(caplog):
 @pytest.mark.parametrize(
     "config, error, message",
     [
-        (dict(pool_ratio=[1, 2, 3]), ConfigError, r"pool_ratio=\[1, 2, 3\] must have one weight per layer group: this model has 2 \(windows \[32, 128\]\)"),
-        (dict(pool_ratio=[50, 1]), ValueError, r"kv_cache_config.pool_ratio: layer group 1 \(window 128\) gets \d+ pages"),
-        (dict(pool_ratio=[1, 50]), ValueError, r"kv_cache_config.pool_ratio: layer group 0 \(window 32\) gets \d+ pages"),
+        (
+            dict(pool_ratio=[1, 2, 3]),
+            ConfigError,
+            r"pool_ratio=\[1, 2, 3\] must have one weight per layer group: this model has 2 \(windows \[32, 128\]\)",
+        ),
+        (
+            dict(pool_ratio=[50, 1]),
+            ValueError,
+            r"kv_cache_config.pool_ratio: layer group 1 \(window 128\) gets \d+ pages",
+        ),
+        (
+            dict(pool_ratio=[1, 50]),
+            ValueError,
+            r"kv_cache_config.pool_ratio: layer group 0 \(window 32\) gets \d+ pages",
+        ),
     ],
 )
 def test_a_split_the_model_cannot_use_is_refused(config, error, message):

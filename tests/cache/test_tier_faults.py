@@ -51,7 +51,9 @@ def tiered(model: Model, disk_dir: pathlib.Path) -> Engine:
 @pytest.fixture(scope="module")
 def cold(model, prompts):
     """The first prompt's output on an engine without reuse."""
-    engine = Engine(model, KvCacheConfig(tokens_per_block=16, max_tokens=160, enable_block_reuse=False), max_seq_len=128)
+    engine = Engine(
+        model, KvCacheConfig(tokens_per_block=16, max_tokens=160, enable_block_reuse=False), max_seq_len=128
+    )
     return engine.generate([prompts[0]], GREEDY)[0]
 
 

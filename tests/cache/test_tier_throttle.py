@@ -33,8 +33,15 @@ def _filled(layout: CacheLayout, tmp_path, throttles=None) -> HostPool:
     rng = np.random.default_rng(0)
     pool = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 3, a.dtype), init_pool(layout))
     for g in range(layout.num_groups):
-        tiers.store("host", g, np.arange(4), jax.device_get(read_pages(pool, layout, g, jnp.array([1, 2, 3, 4], jnp.int32))))
-        tiers.store("disk", g, np.arange(3), jax.device_get(read_pages(pool, layout, g, jnp.array([5, 4, 3, NULL_PAGE], jnp.int32))))
+        tiers.store(
+            "host", g, np.arange(4), jax.device_get(read_pages(pool, layout, g, jnp.array([1, 2, 3, 4], jnp.int32)))
+        )
+        tiers.store(
+            "disk",
+            g,
+            np.arange(3),
+            jax.device_get(read_pages(pool, layout, g, jnp.array([5, 4, 3, NULL_PAGE], jnp.int32))),
+        )
     return tiers
 
 

@@ -237,9 +237,13 @@ def test_concurrent_generate_and_submit(model, alone):
 
 
 def test_sizes_beyond_the_machine_are_refused_before_allocating(model):
-    with pytest.raises(ConfigError, match=r"host_cache_size=1,000,000,000,000,000 needs .* bytes of host memory but .* available"):
+    with pytest.raises(
+        ConfigError, match=r"host_cache_size=1,000,000,000,000,000 needs .* bytes of host memory but .* available"
+    ):
         Engine(model, KvCacheConfig(tokens_per_block=4, max_tokens=512, host_cache_size=10**15), max_seq_len=64)
-    with pytest.raises(ConfigError, match=r"kv_cache_config.free_memory_bytes: the device cache needs .* bytes are free"):
+    with pytest.raises(
+        ConfigError, match=r"kv_cache_config.free_memory_bytes: the device cache needs .* bytes are free"
+    ):
         Engine(model, KvCacheConfig(tokens_per_block=4, free_memory_bytes=10**16), max_seq_len=64)
 
 
@@ -248,7 +252,10 @@ def test_sizes_beyond_the_machine_are_refused_before_allocating(model):
     [
         (dict(max_seq_len=0), r"max_seq_len=0 must be None \(the model's 2048\) or an int in \[1, 2048\]"),
         (dict(max_seq_len=2049), r"max_seq_len=2049 must be None"),
-        (dict(max_seq_len=64, attn_impl="bogus"), r"attn_impl='bogus' must be one of \('auto', 'blocked', 'reference', 'interpret'\)"),
+        (
+            dict(max_seq_len=64, attn_impl="bogus"),
+            r"attn_impl='bogus' must be one of \('auto', 'blocked', 'reference', 'interpret'\)",
+        ),
         (dict(max_seq_len=64, compile_unit="scan"), r"compile_unit='scan' must be one of \('auto', 'model', 'layer'\)"),
     ],
 )
@@ -270,9 +277,12 @@ def test_v2_engines_name_what_they_do_not_support(model):
 
     engine = make_engine_v2(model)
     [out] = engine.generate([PROMPTS[0]], GREEDY)
-    assert engine.manager.num_cached_blocks(0) == 3 and engine.manager.num_cached_blocks(0, "host") == 0  # 12 of 13 tokens
+    # 12 of 13 tokens
+    assert engine.manager.num_cached_blocks(0) == 3 and engine.manager.num_cached_blocks(0, "host") == 0
     assert engine.manager.group_windows == engine.layout.group_windows
-    with pytest.raises(NotImplementedError, match=r"KV cache events are not supported by Manager V2 \(use_kv_cache_manager_v2"):
+    with pytest.raises(
+        NotImplementedError, match=r"KV cache events are not supported by Manager V2 \(use_kv_cache_manager_v2"
+    ):
         engine.manager.get_kv_cache_events()
     with pytest.raises(ValueError, match=r"a ChunkStore needs the V1 manager: .*use_kv_cache_manager_v2='false'"):
         ChunkStore(engine, variant="pos0")

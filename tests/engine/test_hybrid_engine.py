@@ -177,7 +177,10 @@ def test_resume_with_windowed_attention_layers_is_exact():
 
 @pytest.mark.parametrize("name", ["additional_snapshot_offsets_from_end", "additional_snapshot_offsets_from_start"])
 def test_snapshot_offsets_past_max_seq_len_are_refused(hybrid, name):
-    with pytest.raises(ValueError, match=rf"mamba_state_config.{name}=\[0, 1000000000\] holds \[1000000000\], at or past "
-                                         r"the engine's max_seq_len=1024: .* each must be in \[0, 1024\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"mamba_state_config.{name}=\[0, 1000000000\] holds \[1000000000\], at or past "
+        r"the engine's max_seq_len=1024: .* each must be in \[0, 1024\)",
+    ):
         make_engine(hybrid, mamba_state_config={name: [0, 10**9]})
     make_engine(hybrid, mamba_state_config={name: [0, 1023]})  # the last position still counts

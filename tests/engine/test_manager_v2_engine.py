@@ -26,7 +26,9 @@ def tiny() -> Model:
 
 def engine(model: Model, v2: str, steps: int = 8, max_tokens: int = 512, max_seq_len: int = 128, **kv) -> Engine:
     config = KvCacheConfig(tokens_per_block=4, max_tokens=max_tokens, use_kv_cache_manager_v2=v2, **kv)
-    sched = SchedulerConfig(max_num_tokens=64, prefill_chunk_size=32, max_batch_size=4, num_decode_steps_per_dispatch=steps)
+    sched = SchedulerConfig(
+        max_num_tokens=64, prefill_chunk_size=32, max_batch_size=4, num_decode_steps_per_dispatch=steps
+    )
     return Engine(model, config, sched, max_seq_len=max_seq_len)
 
 

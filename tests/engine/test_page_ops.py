@@ -35,8 +35,12 @@ def _tiers(layout: CacheLayout, tmp_path) -> HostPool:
     tiers = HostPool(layout, tmp_path)
     source = _pool(layout, seed=1)
     for g in range(layout.num_groups):
-        tiers.store("host", g, np.arange(4), jax.device_get(read_pages(source, layout, g, jnp.array([1, 2, 3, 4], jnp.int32))))
-        tiers.store("disk", g, np.arange(3), jax.device_get(read_pages(source, layout, g, jnp.array([7, 6, 5, 0], jnp.int32))))
+        tiers.store(
+            "host", g, np.arange(4), jax.device_get(read_pages(source, layout, g, jnp.array([1, 2, 3, 4], jnp.int32)))
+        )
+        tiers.store(
+            "disk", g, np.arange(3), jax.device_get(read_pages(source, layout, g, jnp.array([7, 6, 5, 0], jnp.int32)))
+        )
     return tiers
 
 
@@ -146,13 +150,21 @@ def test_layerwise_onboard_gives_the_pool_apply_page_ops_gives(dtype, tmp_path):
     got = loader.finish(_pool(layout))
     _assert_same(got, want)
     untouched = _pool(layout)
-    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(untouched)))
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(untouched))
+    )
     # one read per layer and tier of the layer's group: group 0 reads 2 host pages and 1 disk
     # page, group 1 one host page and 2 disk pages
     reads = sorted((e["layer"], e["tier"], e["pages"]) for e in loader.events)
-    assert reads == sorted((layer, tier, n) for layer in range(5)
-                           for tier, n in ((("host", 2), ("disk", 1)) if layer % 2 == 0 else (("host", 1), ("disk", 2))))
-    assert all(e["end_s"] >= e["start_s"] and e["bytes"] == e["pages"] * layout.bytes_per_page_layer for e in loader.events)
+    assert reads == sorted(
+        (layer, tier, n)
+        for layer in range(5)
+        for tier, n in ((("host", 2), ("disk", 1)) if layer % 2 == 0 else (("host", 1), ("disk", 2)))
+    )
+    assert all(
+        e["end_s"] >= e["start_s"] and e["bytes"] == e["pages"] * layout.bytes_per_page_layer for e in loader.events
+    )
 
 
 def test_layers_fetched_one_by_one_then_finished_match_apply_page_ops(tmp_path):
@@ -189,7 +201,9 @@ def test_fetch_out_of_order_raises(tmp_path):
     k[0], v[0] = loader.fetch(0, k[0], v[0])
     with pytest.raises(ValueError, match=r"layer=0 must be the next layer to fetch, 1"):
         loader.fetch(0, k[0], v[0])
-    _assert_same(loader.finish(PagePool(k=tuple(k), v=tuple(v))), apply_page_ops(_pool(layout), layout, tiers, ONBOARDS))
+    _assert_same(
+        loader.finish(PagePool(k=tuple(k), v=tuple(v))), apply_page_ops(_pool(layout), layout, tiers, ONBOARDS)
+    )
 
 
 def test_a_failed_read_is_raised_where_its_layer_is_fetched(tmp_path):
@@ -215,4 +229,5 @@ def test_a_read_failing_after_the_prefill_stopped_is_kept_and_the_pool_handed_ba
     pool = loader.finish(_pool(layout))  # a prefill that failed before its first layer: nothing raised over its error
     assert isinstance(loader.error, LostPageError) and not loader._thread.is_alive()
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(pool))
-    np.testing.assert_array_equal(np.asarray(pool.k[0]), np.asarray(want.k[0]))  # layer 0 (before the failure) was onboarded
+    # layer 0 (before the failure) was onboarded
+    np.testing.assert_array_equal(np.asarray(pool.k[0]), np.asarray(want.k[0]))

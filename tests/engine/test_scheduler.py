@@ -60,7 +60,7 @@ def test_duplicate_first_chunk_is_deferred_then_reuses(make):
 
 
 def test_without_prefix_awareness_duplicates_run_together_and_recompute(make):
-    sched, mgr = _sched(make, aware=False)
+    sched, _ = _sched(make, aware=False)
     sched.add(SchedulerRequest("a", tuple(SYSTEM + [1, 2]), max_new_tokens=2))
     sched.add(SchedulerRequest("b", tuple(SYSTEM + [3, 4]), max_new_tokens=2))
     plan, _ = _step(sched)
@@ -70,7 +70,7 @@ def test_without_prefix_awareness_duplicates_run_together_and_recompute(make):
 
 @pytest.mark.parametrize("aware, admitted, charged", [(True, ["b", "c", "d"], 12), (False, ["b", "c"], 24)])
 def test_budget_charges_only_non_reused_tokens_when_aware(make, aware, admitted, charged):
-    sched, mgr = _sched(make, aware=aware, max_num_tokens=24, chunk=24)
+    sched, _ = _sched(make, aware=aware, max_num_tokens=24, chunk=24)
     sched.add(SchedulerRequest("warm", tuple(SYSTEM + [0]), max_new_tokens=1))
     _step(sched)  # SYSTEM's 4 blocks cached
     for rid, tail in (("b", [1, 2, 3, 4]), ("c", [5, 6, 7, 8]), ("d", [9, 9, 9, 9])):

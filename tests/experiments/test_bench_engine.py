@@ -18,9 +18,14 @@ def test_tiny_bench_writes_every_row(tmp_path):
     config = bench_engine_config.get_config("tiny")
     results = bench_engine.run(config, tmp_path)
     rows = {r["row"]: r for r in results["rows"]}
-    assert set(rows) == {"cold_128_ttft", "repeat_128_ttft", "shared_96_ttft", "prefill_64", "decode_b1", "decode_b2"} | {
-        f"decode_b{b}_tok_s_{m}" for b in (1, 2) for m in ("v1", "v2_n4")
-    }
+    assert set(rows) == {
+        "cold_128_ttft",
+        "repeat_128_ttft",
+        "shared_96_ttft",
+        "prefill_64",
+        "decode_b1",
+        "decode_b2",
+    } | {f"decode_b{b}_tok_s_{m}" for b in (1, 2) for m in ("v1", "v2_n4")}
     hits = {r["manager"]: r for r in results["hit_rates"]}
     assert set(hits) == {"V1 priority-LRU", "V1 LRU", "V2 LRU"}
     assert all(0 <= r["block_hit_rate"] <= 1 for r in hits.values()) and hits["V2 LRU"]["block_hit_rate"] > 0

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow  # an end-to-end run or subprocesses: the full sui
 def test_tiny_preset_writes_every_part(tmp_path):
     config = bench_memory_config.get_config("tiny")
     results = bench_memory.run(config, tmp_path)
-    assert all(r["allocated_bytes_per_slot"] == pytest.approx(r["bytes_per_token"], abs=1) for r in results["attention"])
+    assert all(
+        r["allocated_bytes_per_slot"] == pytest.approx(r["bytes_per_token"], abs=1) for r in results["attention"]
+    )
     full, windowed = sorted(results["windows"], key=lambda r: r["window"] == "full", reverse=True)
     page = config.windows.tokens_per_block
     assert full["pages_held"] == config.windows.lengths[0] // page

@@ -20,7 +20,14 @@ def test_tiny_preset_runs_every_cell(tmp_path):
     header = rows[0].split(",")
     records = [dict(zip(header, line.split(","))) for line in rows[1:]]
     cells = {(r["tier"], r["mode"]) for r in records}
-    assert cells == {("-", "-"), ("device", "-"), ("host", "pipelined"), ("host", "serial"), ("disk", "pipelined"), ("disk", "serial")}
+    assert cells == {
+        ("-", "-"),
+        ("device", "-"),
+        ("host", "pipelined"),
+        ("host", "serial"),
+        ("disk", "pipelined"),
+        ("disk", "serial"),
+    }
     by_cell = {(r["tier"], r["mode"], r["policy"]): r for r in records}
 
     def same_kl(a: dict, b: dict) -> bool:

@@ -73,8 +73,9 @@ def test_goals_are_a_share_of_the_loss_or_a_relative_drop():
     assert ev.goal("gold", 0.2, 0.6) == pytest.approx(0.594)
     # gold_ll (nats per token, <= 0): 1% less per-token probability than full recompute's
     assert np.exp(ev.goal(ev.LIKELIHOOD, -2.0, -1.0)) == pytest.approx(0.99 * np.exp(-1.0))
-    np.testing.assert_allclose(ev.goal(ev.LIKELIHOOD, np.asarray([-2.0, -3.0]), np.asarray([-1.0, -1.0]), recovered=0.5),
-                               [-1.5, -2.0])
+    np.testing.assert_allclose(
+        ev.goal(ev.LIKELIHOOD, np.asarray([-2.0, -3.0]), np.asarray([-1.0, -1.0]), recovered=0.5), [-1.5, -2.0]
+    )
 
 
 def test_budget_rows_read_each_share_and_the_relative_drop_on_the_sweep():

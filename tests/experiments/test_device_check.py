@@ -71,12 +71,18 @@ def test_the_carried_wheels_need_only_what_the_machine_holds():
     carried = machine.carried_wheels()
     assert carried, "wheels.txt pins no wheel"
     for name, version in carried.items():
-        assert name not in machine.DEVICE_DISTRIBUTIONS, f"{name} is on the machine already; carry it only for another version"
-        assert importlib.metadata.version(name) == version, f"the dry run here imports {name} {importlib.metadata.version(name)}, wheels.txt pins {version}"
+        assert name not in machine.DEVICE_DISTRIBUTIONS, (
+            f"{name} is on the machine already; carry it only for another version"
+        )
+        assert importlib.metadata.version(name) == version, (
+            f"the dry run here imports {name} {importlib.metadata.version(name)}, wheels.txt pins {version}"
+        )
         for line in importlib.metadata.requires(name) or ():
             requirement = Requirement(line)
             if requirement.marker is None or requirement.marker.evaluate(DEVICE_MARKERS):
-                assert machine.normalize(requirement.name) in allowed_distributions(), f"{name} needs {requirement}, not on the machine"
+                assert machine.normalize(requirement.name) in allowed_distributions(), (
+                    f"{name} needs {requirement}, not on the machine"
+                )
 
 
 def test_the_guard_refuses_what_the_machine_lacks(tmp_path):
@@ -84,14 +90,21 @@ def test_the_guard_refuses_what_the_machine_lacks(tmp_path):
     env = guard(tmp_path)
     done = subprocess.run([sys.executable, "-c", "import numpy, jax, blake3\nimport ml_collections"], env=env,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "No module named 'ml_collections' (not on the GPU machine)" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and "No module named 'ml_collections' (not on the GPU machine)" in done.stderr, (
+        done.stderr[-2000:]
+    )
 
 
 @pytest.mark.parametrize("sizes", [FULL, DRY_RUN], ids=["full", "dry_run"])
 def test_the_sizes_fit_the_kernels_and_the_budget(sizes):
     assert [name for name, _ in sizes.stage_budget_s] == list(STAGES)
     assert sum(budget for _, budget in sizes.stage_budget_s) <= sizes.budget_s <= 450  # ~8 minutes with the start
-    pool_elements = (1 + sizes.bw_max_tokens // sizes.bw_tokens_per_block) * sizes.bw_tokens_per_block * sizes.bw_heads[1] * sizes.bw_head_dim
+    pool_elements = (
+        (1 + sizes.bw_max_tokens // sizes.bw_tokens_per_block)
+        * sizes.bw_tokens_per_block
+        * sizes.bw_heads[1]
+        * sizes.bw_head_dim
+    )
     assert pool_elements < 2**31, "Triton's int32 offsets into the pool would overflow"
     assert all(c % sizes.bw_tokens_per_block == 0 for c in sizes.bw_contexts)
     assert sizes.bw_sweep_point[0] * sizes.bw_sweep_point[1] <= sizes.bw_max_tokens
@@ -106,7 +119,7 @@ def test_the_random_model_has_smollm2s_shapes():
     from kvjax.model.registry import load_model
 
     real = load_model("smollm2-135m").config
-    assert SMOLLM2_135M == dataclasses.replace(real, rms_eps=SMOLLM2_135M.rms_eps)  # the GGUF stores 1e-5 as float32
+    assert dataclasses.replace(real, rms_eps=SMOLLM2_135M.rms_eps) == SMOLLM2_135M  # the GGUF stores 1e-5 as float32
 
 
 @pytest.mark.slow

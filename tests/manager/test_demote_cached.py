@@ -85,7 +85,9 @@ def test_demote_drops_what_the_tier_cannot_take(make, run):
 def test_demote_refuses_a_tier_this_cache_lacks(make, run):
     mgr = make(num_device_pages=8, windows=(64, 16))
     run(mgr, "a", A)
-    with pytest.raises(ValueError, match=r"tier='host' must be 'host' or 'disk', a tier of this cache \(pages: host 0, disk 0"):
+    with pytest.raises(
+        ValueError, match=r"tier='host' must be 'host' or 'disk', a tier of this cache \(pages: host 0, disk 0"
+    ):
         mgr.demote_cached("host")
     hosted = make(num_device_pages=8, host=4)
     run(hosted, "a", A)

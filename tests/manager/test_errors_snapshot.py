@@ -14,7 +14,9 @@ from kvjax.manager.state import FORMAT_VERSION
 
 def _busy(make, run):
     mgr = make(num_device_pages=6, host=4, windows=(64, 8))
-    keep = KvCacheRetentionConfig((TokenRangeRetentionConfig(0, 4, 90, duration_ms=1000),), decode_retention_priority=50)
+    keep = KvCacheRetentionConfig(
+        (TokenRangeRetentionConfig(0, 4, 90, duration_ms=1000),), decode_retention_priority=50
+    )
     run(mgr, "a", list(range(1, 14)), retention=keep)
     run(mgr, "b", [7] * 12, mm_items=[MultimodalItem("image", b"i", 4, 4, uuid="u")])
     prompt = list(range(1, 10)) + [5, 5]
@@ -37,7 +39,11 @@ def _busy(make, run):
         (lambda m: m.allocate("c", -1), ValueError, r"num_total_tokens=-1 must be an int in \[0, 64\]"),
         (lambda m: m.allocate("c", 65), ValueError, r"num_total_tokens=65"),
         (lambda m: m.commit_tokens("c", [5, 5, 5, 1, 2]), ValueError, r"would reach 14 tokens, but only 13 have slots"),
-        (lambda m: m.commit_tokens("c", [4]), ValueError, r"token_ids\[0\]=4 differs from prompt token 5 at position 9"),
+        (
+            lambda m: m.commit_tokens("c", [4]),
+            ValueError,
+            r"token_ids\[0\]=4 differs from prompt token 5 at position 9",
+        ),
         (lambda m: m.rollback("c", -1), ValueError, r"num_tokens=-1 must be an int in \[0, 4\]"),
         (lambda m: m.block_table("c", 2), ValueError, r"group=2 must be an int in \[0, 1\]"),
         (lambda m: m.free_request("nope"), KeyError, r"unknown request_id='nope'"),

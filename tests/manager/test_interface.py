@@ -33,7 +33,9 @@ def test_each_manager_has_every_member_with_the_protocols_signature(cls):
 
 def test_v2_refuses_v1_only_features_naming_the_switch():
     v2 = KVCacheManagerV2(KvCacheConfig(tokens_per_block=4), _layout(), 2)
-    assert isinstance(v2, CacheManager) and isinstance(KVCacheManager(KvCacheConfig(tokens_per_block=4), _layout()), CacheManager)
+    assert isinstance(v2, CacheManager) and isinstance(
+        KVCacheManager(KvCacheConfig(tokens_per_block=4), _layout()), CacheManager
+    )
     for call in (lambda: v2.rollback("r", 1), lambda: v2.allocate_drafts("r", 4), v2.get_kv_cache_events,
                  v2.state_dict, v2.clear_cache, lambda: v2.attach_disk_check(lambda g, p: True)):
         with pytest.raises(NotImplementedError, match=r"not supported by Manager V2 \(use_kv_cache_manager_v2"):

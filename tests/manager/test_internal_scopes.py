@@ -26,7 +26,9 @@ def test_user_salt_never_matches_internal_blocks(make, run):
     assert mgr.estimate_reusable_tokens(P, cache_salt=scope) == 0
     assert run(mgr, "internal", P, cache_salt=scope) == 0
     assert mgr.estimate_reusable_tokens(P, cache_salt=scope) == 11
-    assert not set(mgr.prompt_block_keys(P, cache_salt=scope)) & set(mgr.prompt_block_keys(P, cache_salt="chunk:system"))
+    assert not set(mgr.prompt_block_keys(P, cache_salt=scope)) & set(
+        mgr.prompt_block_keys(P, cache_salt="chunk:system")
+    )
 
 
 def test_live_internal_scope_survives_a_snapshot(make, clock):

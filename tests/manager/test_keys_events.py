@@ -25,7 +25,7 @@ def test_block_keys_are_full_digests_chained_over_parent_tokens_and_extras():
 
 
 def test_roots_separate_salts_and_adapters():
-    roots = {root_key(s, l) for s in (None, "", "tenant-a", "tenant-b") for l in (None, 0, 1)}
+    roots = {root_key(s, lora) for s in (None, "", "tenant-a", "tenant-b") for lora in (None, 0, 1)}
     assert len(roots) == 12
 
 
@@ -53,7 +53,9 @@ def test_mm_hash_is_blake3_of_content_or_of_uuid_and_content():
     assert len({mm_hash(plain), mm_hash(MultimodalItem("image", b"pixels", 0, 4, uuid="u1")),
                 mm_hash(MultimodalItem("image", b"pixels", 0, 4, uuid="u2")), same_uuid_other_content}) == 4
     # the UUID is length-prefixed: ("ab", "c") and ("a", "bc") are different entries
-    assert mm_hash(MultimodalItem("image", b"c", 0, 1, uuid="ab")) != mm_hash(MultimodalItem("image", b"bc", 0, 1, uuid="a"))
+    assert mm_hash(MultimodalItem("image", b"c", 0, 1, uuid="ab")) != mm_hash(
+        MultimodalItem("image", b"bc", 0, 1, uuid="a")
+    )
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.cache import NULL_PAGE
+from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.manager import OutOfPagesError, PageOp
 
 P = list(range(100, 112))  # 12 tokens = 3 full blocks of 4

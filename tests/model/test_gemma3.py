@@ -86,4 +86,6 @@ def test_prefix_reuse_past_the_window_gives_cold_logits(gemma, long_ids):
     [cold] = make_engine(gemma).generate([prompt + long_ids[900:950]], sampling)
     assert warm.num_reused_tokens >= 864
     assert warm.output == cold.output
-    np.testing.assert_allclose(np.stack(warm.logits), np.stack(cold.logits), rtol=0, atol=1e-5 * np.abs(cold.logits[0]).max())
+    np.testing.assert_allclose(
+        np.stack(warm.logits), np.stack(cold.logits), rtol=0, atol=1e-5 * np.abs(cold.logits[0]).max()
+    )

@@ -39,14 +39,29 @@ def _with_extras(params: Params, *, bias: bool = False, lm_head: bool = False) -
 
 FAMILIES = {
     "llama": (dict(), {}),
-    "llama3_scaled": (dict(rope_theta=500_000.0, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 128)), dict(lm_head=True)),
+    "llama3_scaled": (
+        dict(rope_theta=500_000.0, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 128)),
+        dict(lm_head=True),
+    ),
     "linear_scaled": (dict(rope_scaling=RopeScaling("linear", 4.0)), {}),
     "mistral_window": (dict(sliding_window=128), dict(lm_head=True)),
     "qwen2_bias": (dict(), dict(bias=True)),
     "qwen3_qk_norm": (dict(qk_norm=True), dict(lm_head=True)),
-    "gemma3": (dict(num_layers=6, sliding_window=128, global_layer_period=3, rope_local_theta=10_000.0,
-                    rope_theta=1_000_000.0, activation="gelu_tanh", qk_norm=True, sandwich_norm=True,
-                    embed_scale=True, query_scale=24.0**-0.5), {}),
+    "gemma3": (
+        dict(
+            num_layers=6,
+            sliding_window=128,
+            global_layer_period=3,
+            rope_local_theta=10_000.0,
+            rope_theta=1_000_000.0,
+            activation="gelu_tanh",
+            qk_norm=True,
+            sandwich_norm=True,
+            embed_scale=True,
+            query_scale=24.0**-0.5,
+        ),
+        {},
+    ),
 }
 
 
@@ -61,7 +76,9 @@ def test_save_then_load_gives_the_same_model(tmp_path, family):
     hf = json.loads((folder / "config.json").read_text())
     loaded_cfg, loaded = load_hf(folder)
     assert loaded_cfg == cfg, (hf, loaded_cfg)
-    for (path, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_flatten_with_path(loaded)[0]):
+    for (path, a), (_, b) in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_flatten_with_path(loaded)[0]
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     assert jax.tree.structure(params) == jax.tree.structure(loaded)
     np.testing.assert_allclose(numpy_logits(loaded, loaded_cfg, TOKENS, np.float32, rows=[0, 599]),
@@ -93,8 +110,14 @@ def _edit_config(folder: pathlib.Path, **changes) -> None:
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(architectures=["FalconForCausalLM"]), r"architectures=\['FalconForCausalLM'\] is not supported; supported: \("),
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_type='yarn' is not supported; supported: 'default', 'linear', 'llama3'"),
+        (
+            dict(architectures=["FalconForCausalLM"]),
+            r"architectures=\['FalconForCausalLM'\] is not supported; supported: \(",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+            r"rope_type='yarn' is not supported; supported: 'default', 'linear', 'llama3'",
+        ),
         (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported for LlamaForCausalLM; supported: 'silu'"),
         (dict(final_logit_softcapping=30.0), r"final_logit_softcapping=30.0 is not supported"),
         (dict(num_attention_heads=None), r"config.json has no 'num_attention_heads'"),
@@ -118,7 +141,9 @@ def test_missing_and_broken_files_are_clear_errors(tmp_path):
     weights.unlink()
     with pytest.raises(FileNotFoundError, match=r"has neither model.safetensors nor model.safetensors.index.json"):
         load_hf(folder)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}})
+    )
     with pytest.raises(FileNotFoundError, match=r"lists shard\(s\) \['model-00001-of-00002.safetensors'\]"):
         load_hf(folder)
     (folder / "config.json").unlink()
@@ -144,7 +169,7 @@ def test_sharded_checkpoints_load_through_their_index(tmp_path):
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {n: shard for shard, part in halves.items() for n in part}})
     )
-    cfg, params = load_hf(folder)
+    _, params = load_hf(folder)
     ref_cfg = tiny_config()
     np.testing.assert_array_equal(np.asarray(params.layers[1].wq), np.asarray(init_params(ref_cfg, 0).layers[1].wq))
 

@@ -86,7 +86,9 @@ def llama3_blend():
     a prefix, two stored chunks of 192 and 200 tokens, a suffix."""
     model = load_model(str(HF / "llama3_scaled"))
     ids = np.load(HF / "llama3_scaled" / "reference.npz")["token_ids"].tolist()
-    prompt = BlendPrompt(prefix=tuple(ids[:8]), chunks=(tuple(ids[8:200]), tuple(ids[200:400])), suffix=tuple(ids[400:416]))
+    prompt = BlendPrompt(
+        prefix=tuple(ids[:8]), chunks=(tuple(ids[8:200]), tuple(ids[200:400])), suffix=tuple(ids[400:416])
+    )
     blender = make_blender(model.config, model.params, prompt)
     full = blender.run(prompt, FULL_RECOMPUTE).logits[-1]
     reuse = blender.run(prompt, SelectionConfig(selector="none", row_bucket=16)).logits[-1]
@@ -98,7 +100,9 @@ def test_cacheblend_on_a_loaded_checkpoint_keeps_its_identities(llama3_blend):
     token equals full recompute; a 15% blend lies between full reuse and full recompute."""
     blender, prompt, full, reuse = llama3_blend
     every = blender.run(prompt, SelectionConfig(selector="all", row_bucket=16)).logits[-1]
-    blend = blender.run(prompt, SelectionConfig(recompute_ratio=0.15, check_layers=(1,), budgets=(1.0,), row_bucket=16)).logits[-1]
+    blend = blender.run(
+        prompt, SelectionConfig(recompute_ratio=0.15, check_layers=(1,), budgets=(1.0,), row_bucket=16)
+    ).logits[-1]
     scale = np.abs(full).max()
     assert np.abs(every - full).max() / scale < 1e-5
     assert np.abs(blend - full).max() < np.abs(reuse - full).max()
@@ -138,7 +142,9 @@ def test_quantized_kv_on_a_loaded_checkpoint_stays_close(qwen2, dtype):
     assert 0 < diff < (0.02 if dtype == "int8" else 0.25)
 
 
-@pytest.mark.parametrize("selector", ["cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "random"])
+@pytest.mark.parametrize(
+    "selector", ["cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "random"]
+)
 def test_every_selector_runs_on_a_loaded_checkpoint(llama3_blend, selector):
     """Each published selector's blended prefill on the llama3 checkpoint recomputes a share of
     the chunk tokens after its check layer and lands nearer full recompute than full reuse."""

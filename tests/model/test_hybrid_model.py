@@ -10,7 +10,14 @@ import pytest
 
 from kvjax.cache import init_pool
 from kvjax.cache.state_pool import (
-    NULL_SLOT, copy_slots, init_state_pool, read_slots, slot_bytes, state_shape, write_slots, zero_slots,
+    NULL_SLOT,
+    copy_slots,
+    init_state_pool,
+    read_slots,
+    slot_bytes,
+    state_shape,
+    write_slots,
+    zero_slots,
 )
 from kvjax.model.config import ModelConfig
 from kvjax.model.recurrent import CHUNK
@@ -44,8 +51,16 @@ def run_chunks(params: Params, cfg: ModelConfig, tokens: np.ndarray, chunks: lis
     pool, state, out, start = init_pool(layout), zero_state(cfg, 1), [], 0
     for n in chunks:
         logits, pool, state = forward_for(compile_unit)(
-            params, pool, jnp.asarray(tokens[None, start : start + n]), jnp.arange(start, start + n, dtype=jnp.int32)[None],
-            table, jnp.array([start + n], jnp.int32), cfg=cfg, layout=layout, logits_mode="all", state=state,
+            params,
+            pool,
+            jnp.asarray(tokens[None, start : start + n]),
+            jnp.arange(start, start + n, dtype=jnp.int32)[None],
+            table,
+            jnp.array([start + n], jnp.int32),
+            cfg=cfg,
+            layout=layout,
+            logits_mode="all",
+            state=state,
         )
         out.append(np.asarray(logits[0]))
         start += n
@@ -146,7 +161,9 @@ def test_forward_requires_state_exactly_for_hybrid_models(hybrid):
     plain = tiny_config()
     plain_layout = single_group_layout(plain, 4, 16)
     with pytest.raises(ValueError, match="state must be given for a hybrid model and None otherwise"):
-        forward(init_params(plain), init_pool(plain_layout), *args, cfg=plain, layout=plain_layout, state=zero_state(cfg, 1))
+        forward(
+            init_params(plain), init_pool(plain_layout), *args, cfg=plain, layout=plain_layout, state=zero_state(cfg, 1)
+        )
 
 
 def test_state_pool_ops(hybrid):

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.config import KvCacheConfig
 from kvjax.cache import init_pool
+from kvjax.config import KvCacheConfig
 from kvjax.engine import Engine
 from kvjax.model.transformer import CONV_MAX_ROWS, forward, forward_by_layer, forward_for, layer_kind, linear, unembed
 from kvjax.sampling import SamplingParams
@@ -60,7 +60,14 @@ def test_chunked_prefill_and_decode_equal_one_prefill(smollm2, hf_reference):
     prefill followed by single-token decode steps, with a shuffled page table."""
     tokens = hf_reference["token_ids"]
     whole, _, _ = chunked_logits(smollm2.params, smollm2.config, tokens, [546], tokens_per_block=32)
-    chunked, _, _ = chunked_logits(smollm2.params, smollm2.config, tokens, [100, 37, 200, 1, 200, 1, 1, 1, 1, 1, 1, 1, 1], tokens_per_block=16, seed=3)
+    chunked, _, _ = chunked_logits(
+        smollm2.params,
+        smollm2.config,
+        tokens,
+        [100, 37, 200, 1, 200, 1, 1, 1, 1, 1, 1, 1, 1],
+        tokens_per_block=16,
+        seed=3,
+    )
     assert rel_err(chunked, whole) < 1e-4
     np.testing.assert_array_equal(chunked.argmax(-1), whole.argmax(-1))
 
@@ -99,12 +106,16 @@ def test_batch8_decode_step_equals_prefill_on_513_tokens(smollm2, hf_reference):
     tables = (jnp.asarray(1 + np.arange(8 * 33, dtype=np.int32).reshape(8, 33)),) * layout.num_groups
     positions = jnp.broadcast_to(jnp.arange(513, dtype=jnp.int32), (8, 513))
     lengths = jnp.full((8,), 513, jnp.int32)
-    whole, _ = forward(smollm2.params, init_pool(layout), jnp.asarray(seqs), positions, tables, lengths, cfg=cfg, layout=layout)
+    whole, _ = forward(
+        smollm2.params, init_pool(layout), jnp.asarray(seqs), positions, tables, lengths, cfg=cfg, layout=layout
+    )
     _, pool = forward(
         smollm2.params, init_pool(layout), jnp.asarray(seqs[:, :512]), positions[:, :512], tables, lengths - 1,
         cfg=cfg, layout=layout, logits_mode="none",
     )
-    step, _ = forward(smollm2.params, pool, jnp.asarray(seqs[:, 512:]), positions[:, 512:], tables, lengths, cfg=cfg, layout=layout)
+    step, _ = forward(
+        smollm2.params, pool, jnp.asarray(seqs[:, 512:]), positions[:, 512:], tables, lengths, cfg=cfg, layout=layout
+    )
     assert rel_err(np.asarray(step), np.asarray(whole)) < 1e-4
     np.testing.assert_array_equal(np.asarray(step).argmax(-1), np.asarray(whole).argmax(-1))
 
@@ -150,4 +161,5 @@ def test_tiny_sliding_window_gemma_style_equals_numpy(compile_unit):
     logits, _, _ = chunked_logits(params, cfg, tokens, [20, 1, 1, 28], tokens_per_block=4, compile_unit=compile_unit)
     assert rel_err(logits, numpy_logits(params, cfg, tokens)) < 1e-4
     layout = single_group_layout(cfg, 4, 4)
-    assert [layer_kind(cfg, layout, i) for i in range(3)] == [0, 0, 2]  # local layers share a program, the global one has its own
+    # local layers share a program, the global one has its own
+    assert [layer_kind(cfg, layout, i) for i in range(3)] == [0, 0, 2]

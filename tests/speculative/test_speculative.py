@@ -40,7 +40,9 @@ def prompts() -> list[list[int]]:
     return [base + base[:20], rng.integers(1, 97, 70).tolist(), base[:10] * 5]
 
 
-def make_engine(model: Model, speculative: SpeculativeConfig | None, max_tokens: int = 2048, max_seq_len: int = 256) -> Engine:
+def make_engine(
+    model: Model, speculative: SpeculativeConfig | None, max_tokens: int = 2048, max_seq_len: int = 256
+) -> Engine:
     kv_config = KvCacheConfig(tokens_per_block=8, max_tokens=max_tokens, event_buffer_max_size=100_000)
     scheduler = SchedulerConfig(max_num_tokens=256, prefill_chunk_size=64)
     return Engine(model, kv_config, scheduler, max_seq_len=max_seq_len, speculative=speculative)
@@ -178,7 +180,9 @@ def test_rejection_sampling_emits_the_target_distribution(tiny_distributions, dr
 
 
 def test_draft_slots_come_from_free_pages_only_and_roll_back():
-    layout = CacheLayout(layer_windows=(64,), num_pages=(5,), tokens_per_block=4, num_kv_heads=1, head_dim=1, max_seq_len=64)
+    layout = CacheLayout(
+        layer_windows=(64,), num_pages=(5,), tokens_per_block=4, num_kv_heads=1, head_dim=1, max_seq_len=64
+    )
     mgr = KVCacheManager(KvCacheConfig(tokens_per_block=4, event_buffer_max_size=100), layout)
     mgr.add_request("old", list(range(1, 9)))
     mgr.allocate("old", 8)
@@ -254,7 +258,9 @@ def test_preemption_during_speculation_keeps_outputs(model, prompts, greedy_refe
 
 
 def test_sampled_speculation_is_seeded_and_stops_at_the_limit(model, prompts):
-    sampling = SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7, return_logits=True, ignore_eos=True)
+    sampling = SamplingParams(
+        max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7, return_logits=True, ignore_eos=True
+    )
     runs = [make_engine(model, spec).generate(prompts[:2], sampling) for spec in (EARLY_EXIT, EARLY_EXIT)]
     assert [o.output for o in runs[0]] == [o.output for o in runs[1]]
     for out in runs[0]:
