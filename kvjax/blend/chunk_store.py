@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from kvjax.blend.fidelity import FidelityConfig, FidelityReport, require
 from kvjax.cache.pool import sequence_slots
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.manager.hashing import InternalScope, check_token_ids
@@ -96,6 +97,9 @@ class ChunkStore:
       prefix_tokens: the shared system prompt (the "system" variant).
       retention: retention of chunk blocks (priorities, durations), applied when stored and
         again on every lookup; None = default priority.
+      fidelity: the fidelity gate's settings (``kvjax.blend.fidelity``): the engine's model is
+        checked once (re-rotation and blended KL on a calibration prompt, on an engine of its
+        own) and refused with ``FidelityError`` if it fails; None = no gate.
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class ChunkStore:
         variant: Variant = "system",
         prefix_tokens: Sequence[int] = (),
         retention: KvCacheRetentionConfig | dict | None = None,
+        fidelity: FidelityConfig | None = FidelityConfig(),
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
@@ -127,6 +132,8 @@ class ChunkStore:
         self.salt = InternalScope(f"chunk:{variant}")
         self.stats = StoreStats()
         self._ids = itertools.count()
+        self.fidelity: FidelityReport | None = None if fidelity is None else require(self, fidelity)
+        """What the fidelity gate measured for the engine's model (None without the gate)."""
 
     @property
     def stored_start(self) -> int:
