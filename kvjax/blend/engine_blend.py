@@ -45,11 +45,11 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
-from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.fusor import BlendInputs, BlendPlan, ComputeTimeline, PrefillInterrupted, blend_prefill
 from kvjax.blend.selection import (
     SCHEDULE_SELECTORS,
@@ -68,6 +68,9 @@ from kvjax.engine.page_ops import LayerwiseOnboard, apply_page_ops, split_layerw
 from kvjax.engine.requests import ChunkedWork
 from kvjax.engine.runner import StepContext
 from kvjax.manager.hashing import InternalScope
+
+if TYPE_CHECKING:
+    from kvjax.blend.chunk_store import ChunkStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +123,8 @@ class ChunkReuse:
     def check(self, context: StepContext, prompt: Sequence[int]) -> None:
         """Raises ValueError naming the field that does not fit ``prompt`` on the engine whose
         step context is ``context``."""
-        if not isinstance(self.store, ChunkStore) or self.store.engine.manager is not context.manager:
+        engine = getattr(self.store, "engine", None)  # a ChunkStore (not imported: it runs the fidelity gate)
+        if not hasattr(self.store, "acquire") or getattr(engine, "manager", None) is not context.manager:
             raise ValueError("chunks.store must be a ChunkStore of this engine")
         if not isinstance(self.selection, SelectionConfig):
             raise ValueError(f"chunks.selection must be a SelectionConfig, got {type(self.selection).__name__}")

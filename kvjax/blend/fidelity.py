@@ -32,9 +32,11 @@ import blake3
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.blend.engine_blend import ChunkReuse
 from kvjax.blend.reposition import reposition_keys
 from kvjax.blend.selection import SelectionConfig
 from kvjax.config import KvCacheConfig
+from kvjax.engine import Engine
 from kvjax.metrics import kl_divergence
 from kvjax.model import transformer
 from kvjax.model.config import ModelConfig
@@ -173,11 +175,16 @@ def rotation_errors(
     return errors
 
 
-def _calibration_prompt(cfg: ModelConfig, config: FidelityConfig) -> tuple[list[list[int]], list[int]]:
-    """(chunks, suffix) of seeded token ids in [3, vocab)."""
+def _calibration_prompt(
+    cfg: ModelConfig, tokens_per_block: int, config: FidelityConfig
+) -> tuple[list[list[int]], list[int]]:
+    """(chunks, suffix) of seeded token ids in [3, vocab); chunks shortened (to 16 tokens at
+    least) so that the prompt and a page of room fit the model's context."""
     rng = np.random.default_rng(config.seed)
     draw = lambda n: rng.integers(3, cfg.vocab_size, n).tolist()
-    return [draw(config.chunk_tokens) for _ in range(config.num_chunks)], draw(config.suffix_tokens)
+    fit = (cfg.max_seq_len - config.suffix_tokens - 2 * tokens_per_block) // config.num_chunks
+    length = max(16, min(config.chunk_tokens, fit))
+    return [draw(length) for _ in range(config.num_chunks)], draw(config.suffix_tokens)
 
 
 def _calibration_selection(cfg: ModelConfig, config: FidelityConfig) -> SelectionConfig:
@@ -192,23 +199,19 @@ def _calibration_selection(cfg: ModelConfig, config: FidelityConfig) -> Selectio
                            budgets=default.budgets[len(default.budgets) - len(layers):])
 
 
-def blended_kl(model: Model, kv: KvCacheConfig, config: FidelityConfig) -> float:
+def blended_kl(model: Model, kv: KvCacheConfig, config: FidelityConfig, store_type: type[ChunkStore]) -> float:
     """Mean KL (nats) of CacheBlend at ``config.recompute_ratio`` against full recompute, over
-    the calibration suffix's next-token distributions, on an engine of its own."""
-    # Imported here: a ChunkStore runs this gate when it is built.
-    from kvjax.blend.chunk_store import ChunkStore
-    from kvjax.blend.engine_blend import ChunkReuse
-    from kvjax.engine import Engine
-
-    chunks, suffix = _calibration_prompt(model.config, config)
+    the calibration suffix's next-token distributions, on an engine of its own with a
+    ``store_type`` chunk store (passed in: the chunk store runs this gate)."""
+    chunks, suffix = _calibration_prompt(model.config, kv.tokens_per_block, config)
     tokens = [t for c in chunks for t in c] + suffix
     tpb = kv.tokens_per_block
-    room = (len(tokens) // tpb + 2) * tpb
+    room = min((len(tokens) // tpb + 2) * tpb, model.config.max_seq_len)
     cache = KvCacheConfig(
         tokens_per_block=tpb, max_tokens=4 * room, dtype=kv.dtype, scale_granularity=kv.scale_granularity
     )
     engine = Engine(model, cache, max_seq_len=room)
-    store = ChunkStore(engine, variant="pos0", fidelity=None)
+    store = store_type(engine, variant="pos0", fidelity=None)
     for chunk in chunks:
         store.put(chunk)
     ends = np.cumsum([len(c) for c in chunks]).tolist()
@@ -226,16 +229,19 @@ def blended_kl(model: Model, kv: KvCacheConfig, config: FidelityConfig) -> float
     return float(np.mean(kl_divergence(np.asarray(full.prompt_logits), np.asarray(blended.prompt_logits))))
 
 
-def check(model: Model, kv: KvCacheConfig, max_seq_len: int, config: FidelityConfig) -> FidelityReport:
-    """Runs both checks (no cache) and returns what they measured."""
-    chunks, _ = _calibration_prompt(model.config, config)
+def check(
+    model: Model, kv: KvCacheConfig, max_seq_len: int, config: FidelityConfig, store_type: type[ChunkStore]
+) -> FidelityReport:
+    """Runs both checks (no cache) and returns what they measured; ``store_type`` builds the
+    calibration engine's chunk store."""
+    chunks, _ = _calibration_prompt(model.config, kv.tokens_per_block, config)
     deltas = sorted({1, config.chunk_tokens, max(1, max_seq_len - config.chunk_tokens)})
     errors = rotation_errors(model.params, model.config, chunks[0], deltas)
     return FidelityReport(
         key=gate_key(model, kv, max_seq_len, config),
         rotation_error=tuple(float(e) for e in errors),
         rotation_tolerance=rotation_tolerance(str(model.params.embed.dtype), max_seq_len),
-        kl=blended_kl(model, kv, config),
+        kl=blended_kl(model, kv, config, store_type),
         max_kl=config.max_kl,
     )
 
@@ -252,7 +258,7 @@ def require(store: ChunkStore, config: FidelityConfig) -> FidelityReport:
         saved = json.loads(path.read_text())
         report = FidelityReport(**{**saved, "rotation_error": tuple(saved["rotation_error"])})
     if report is None:
-        report = check(engine.model, engine.kv_config, engine.max_seq_len, config)
+        report = check(engine.model, engine.kv_config, engine.max_seq_len, config, type(store))
         log.info("fidelity gate, %s: %s", engine.model.config.name, report.failure or "passed")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(report)))

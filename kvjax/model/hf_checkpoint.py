@@ -260,7 +260,7 @@ def _weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     single = folder / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"{str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
-    return {name: single for name in _open(single)}
+    return {name: single for name in _open(single).keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
 
 
 def _open(path: pathlib.Path):

@@ -143,6 +143,10 @@ def test_submit_with_chunks_refuses_bad_inputs_before_touching_anything(small, e
         assert engine.manager.num_free_pages(0) == free and not engine.has_work
     with pytest.raises(ValueError, match="takes no cache_salt"):
         engine.submit(tokens, GREEDY, chunks=ChunkReuse(store, ((5, 30),), FULL), cache_salt="x")
+    other = ChunkStore(tiny_engine(cfg, small[1], max_tokens=2048, max_seq_len=160), variant="pos0")
+    for wrong in (other, "store"):  # another engine's store, or no store at all
+        with pytest.raises(ValueError, match="chunks.store must be a ChunkStore of this engine"):
+            engine.submit(tokens, GREEDY, chunks=ChunkReuse(wrong, ((5, 30),), FULL))
     with pytest.raises(ValueError, match=r"a chunk of 155 tokens must hold between 1 and engine.max_seq_len=160 - 5"):
         store.put(draw(155))
     with pytest.raises(ValueError, match=rf"tokens\[0\]={cfg.vocab_size} must be an int token id"):
