@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from experiments.policies import SELECTOR_POLICIES
 from experiments.workloads.rag import make_examples
 from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
@@ -247,16 +248,7 @@ def test_variants_run_together_equal_each_alone(setup):
     rng = np.random.default_rng(0)
     scores = rng.random((model.config.num_layers, prompt.roles.num_tokens))
     weights = tuple(rng.normal(size=8 * 7 + 1).tolist())
-    selectors = (
-        "cacheblend",
-        "cacheblend_single",
-        "epic",
-        "query_aware",
-        "query_aware_fused",
-        "learned",
-        "random",
-        "oracle",
-    )
+    selectors = SELECTOR_POLICIES
     engine = blender.engine
     for ratio in (0.05, 0.15, 0.5):
         policies = [
