@@ -159,6 +159,17 @@ class ChunkStore:
         found = self.engine.manager.estimate_reusable_tokens(lookup, cache_salt=self.salt)
         return max(0, min(found - self.stored_start, len(tokens)))
 
+    def tiers(self, tokens: Sequence[int]) -> list[str]:
+        """Where each block of the chunk's stored KV lives now (no side effects): one entry per
+        block holding chunk tokens, "device", "host", "disk" or "miss" (not cached: a lookup
+        stops at the first missing block, so every later block is a miss too)."""
+        stored = self.stored_tokens(tokens)
+        ps = self.tokens_per_block
+        found = self.engine.manager.reusable_tiers((*stored, SENTINEL), cache_salt=self.salt)
+        first = self.stored_start // ps  # the first block holding a chunk token
+        last = -(-(self.stored_start + len(tokens)) // ps)
+        return [found[b] if b < len(found) else "miss" for b in range(first, last)]
+
     # ------------------------------------------------------------------ store
     def put(self, tokens: Sequence[int]) -> int:
         """Stores a chunk (prefilled through the engine unless its blocks are all cached).

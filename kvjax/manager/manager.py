@@ -245,6 +245,27 @@ class KVCacheManager(LayoutGeometry):
         plan = self._plan(prompt, keys, root, items)
         return plan.num_tokens if self._fits(plan) else 0
 
+    def reusable_tiers(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> list[str]:
+        """Where the full blocks ``add_request`` would reuse right now live (no side effects):
+        one tier name ("device", "host" or "disk") per reused full block, in prompt order; a
+        block held in several layer groups counts at its slowest tier."""
+        prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
+        plan = self._plan(prompt, keys, root, items)
+        if not self._fits(plan):
+            return []
+        slowest = [Tier.DEVICE] * plan.num_full_blocks
+        for gp in plan.groups:
+            for b, block in enumerate(gp.held, start=gp.first):
+                slowest[b] = max(slowest[b], block.tier)
+        return [t.label for t in slowest]
+
     def prompt_block_keys(
         self,
         prompt_token_ids: Sequence[int],

@@ -118,10 +118,17 @@ def test_offloaded_chunks_are_onboarded(setup, smollm2):
         filler = np.random.default_rng(seed).integers(3, 10_000, 480).tolist()
         engine.generate([filler], SamplingParams(max_new_tokens=1))
     assert engine.manager.num_cached_blocks(0, "host") > 0
+    tiers = [store.tiers(chunk) for chunk in prompt.chunks]  # where each chunk block is before the lookup
+    assert [len(t) for t in tiers] == [-(-(len(prompt.prefix) + len(c)) // PAGE) - len(prompt.prefix) // PAGE
+                                       for c in prompt.chunks]
+    found = {tier for t in tiers for tier in t}
+    assert "host" in found and "miss" not in found
+    host_blocks = sum(t.count("host") for t in tiers)
     submit_blended(store, prompt, FULL, GREEDY)
     out = engine.run()[0]
     report = out.blend_report
-    assert report.onboarded_pages > 0
+    assert report.onboarded_pages >= host_blocks > 0
+    assert all(set(store.tiers(chunk)) == {"device"} for chunk in prompt.chunks)
     assert report.chunk_hit == sum(len(c) for c in prompt.chunks)
     assert out.output == exact.output
     assert rel_err(out.logits[0], exact.logits[0]) <= 1e-5

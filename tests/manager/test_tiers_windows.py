@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvjax.cache import NULL_PAGE
@@ -94,6 +96,23 @@ def test_host_victims_spill_to_disk_and_onboard_from_there(make, run):
     assert mgr.block_table("d", 0) == [1]
     assert (mgr.stats.disk_onboarded_pages, mgr.stats.disk_onboarded_bytes) == (1, 96)
     assert mgr.request_stats("d").onboarded_pages == 1
+    mgr.check_consistency()
+
+
+def test_reusable_tiers_names_each_reused_block_tier_without_side_effects(make, run):
+    mgr = make(num_device_pages=2, host=1, disk=2)  # 1 device, 1 host, 2 disk pages of 4 tokens
+    run(mgr, "a", [1] * 4)  # page 1
+    run(mgr, "b", [2] * 4)  # a -> host; b on page 1
+    run(mgr, "c", [3] * 4)  # a spills to disk; b -> host; c on page 1
+    mgr.take_page_ops()
+    stats = dataclasses.asdict(mgr.stats)
+    assert mgr.reusable_tiers([1] * 4 + [0]) == ["disk"]
+    assert mgr.reusable_tiers([2] * 4 + [0]) == ["host"]
+    assert mgr.reusable_tiers([3] * 4 + [0]) == ["device"]
+    assert mgr.reusable_tiers([4] * 4 + [0]) == []
+    assert mgr.reusable_tiers([3] * 4 + [0], cache_salt="other") == []  # another scope holds nothing
+    assert dataclasses.asdict(mgr.stats) == stats and mgr.take_page_ops() == []  # nothing moved or counted
+    assert mgr.add_request("d", [1] * 4 + [0]) == 4  # and add_request reuses exactly those blocks
     mgr.check_consistency()
 
 
