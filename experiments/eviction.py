@@ -19,7 +19,6 @@ trace and checks that its hit rates and offload/onboard bytes equal the simulati
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import pathlib
 import time
 from collections.abc import Iterator, Sequence
@@ -30,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import report
-from experiments.workloads.trace import OP_KINDS, TraceRequest, make_manager, make_trace, replay
+from experiments.workloads.trace import OP_KINDS, TraceRequest, belady_hit_rate, make_manager, make_trace, replay
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.manager import KVCacheManager
 from kvjax.manager.hashing import block_key, root_key
@@ -50,39 +49,6 @@ def block_accesses(trace: Sequence[TraceRequest], tokens_per_block: int) -> Iter
         for b in range(len(seq) // ps):
             parent = block_key(parent, seq[b * ps : (b + 1) * ps], ())
             yield parent, b < len(req.prompt) // ps
-
-
-def belady_hit_rate(accesses: Sequence[tuple[bytes, bool]], capacity: int) -> float:
-    """Block hit rate of Belady's MIN with bypass over the prompt-block accesses.
-
-    On a miss with a full cache, the cached block or the incoming one whose next use is
-    farthest (never = infinity) is left out. Runs in O(n log n) with a lazy max-heap.
-    """
-    n = len(accesses)
-    next_use = [n] * n
-    last: dict[bytes, int] = {}
-    for i in range(n - 1, -1, -1):
-        key = accesses[i][0]
-        next_use[i] = last.get(key, n + i)  # distinct "never" values keep the heap order total
-        last[key] = i
-    cached: dict[bytes, int] = {}  # key -> its next use
-    heap: list[tuple[int, bytes]] = []  # (-next use, key), stale when cached[key] differs
-    hits = prompt_blocks = 0
-    for i, (key, is_prompt) in enumerate(accesses):
-        prompt_blocks += is_prompt
-        if key in cached:
-            hits += is_prompt
-        elif capacity == 0:
-            continue
-        elif len(cached) >= capacity:
-            while -heap[0][0] != cached.get(heap[0][1]):
-                heapq.heappop(heap)
-            if -heap[0][0] <= next_use[i]:
-                continue  # bypass: the incoming block is needed last
-            del cached[heapq.heappop(heap)[1]]
-        cached[key] = next_use[i]
-        heapq.heappush(heap, (-next_use[i], key))
-    return hits / prompt_blocks if prompt_blocks else 0.0
 
 
 def simulate(cfg: ml_collections.ConfigDict, trace: Sequence[TraceRequest]) -> list[dict]:

@@ -31,7 +31,7 @@ blended KV lives under its own blend scope).
 Every manager call of a run is recorded (``RecordingManager``: the block trace). Replaying the
 trace through the manager alone (``replay``) reproduces the run's hit counters exactly, and
 replays it at every eviction and tier setting, beside Belady's MIN on the same block accesses
-(``experiments.eviction.belady_hit_rate``, capacity = all tiers' pages).
+(``workloads.trace.belady_hit_rate``, capacity = all tiers' pages).
 
 Quality is measured on every ``serving.quality_every``-th query against full recompute on a
 separate engine: KL of the first answer token's distribution, top-1 agreement, and the greedy
@@ -56,11 +56,11 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import report, timing
-from experiments.eviction import belady_hit_rate
 from experiments.workloads import squad
 from experiments.workloads.datasets import SquadParagraph, fetch_squad_v11_dev, load_squad, sha256_file
 from experiments.workloads.frame import SYSTEM_PROMPT, chunk_tokens, document_prefix, question_suffix
 from experiments.workloads.rag_stream import StreamConfig, StreamQuery, make_stream, read_stream, write_stream
+from experiments.workloads.trace import belady_hit_rate
 from kvjax import metrics
 from kvjax.blend.chunk_store import SENTINEL, ChunkStore
 from kvjax.blend.engine_blend import ChunkReuse

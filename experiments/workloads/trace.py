@@ -12,6 +12,7 @@ A seeded trace mixes three kinds of content::
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections.abc import Sequence
 
@@ -229,3 +230,36 @@ def replay(mgr: KVCacheManager, trace: Sequence[TraceRequest], *, priorities: bo
     return ReplayResult(s.token_hit_rate, s.block_hit_rate, s.device_evictions, s.host_evictions,
                         s.offloaded_bytes, s.spilled_bytes, s.onboarded_bytes, s.disk_onboarded_bytes, seconds,
                         blocks, calls, cpu_share)
+
+
+def belady_hit_rate(accesses: Sequence[tuple[bytes, bool]], capacity: int) -> float:
+    """Block hit rate of Belady's MIN with bypass over the prompt-block accesses.
+
+    On a miss with a full cache, the cached block or the incoming one whose next use is
+    farthest (never = infinity) is left out. Runs in O(n log n) with a lazy max-heap.
+    """
+    n = len(accesses)
+    next_use = [n] * n
+    last: dict[bytes, int] = {}
+    for i in range(n - 1, -1, -1):
+        key = accesses[i][0]
+        next_use[i] = last.get(key, n + i)  # distinct "never" values keep the heap order total
+        last[key] = i
+    cached: dict[bytes, int] = {}  # key -> its next use
+    heap: list[tuple[int, bytes]] = []  # (-next use, key), stale when cached[key] differs
+    hits = prompt_blocks = 0
+    for i, (key, is_prompt) in enumerate(accesses):
+        prompt_blocks += is_prompt
+        if key in cached:
+            hits += is_prompt
+        elif capacity == 0:
+            continue
+        elif len(cached) >= capacity:
+            while -heap[0][0] != cached.get(heap[0][1]):
+                heapq.heappop(heap)
+            if -heap[0][0] <= next_use[i]:
+                continue  # bypass: the incoming block is needed last
+            del cached[heapq.heappop(heap)[1]]
+        cached[key] = next_use[i]
+        heapq.heappush(heap, (-next_use[i], key))
+    return hits / prompt_blocks if prompt_blocks else 0.0

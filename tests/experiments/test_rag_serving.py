@@ -10,10 +10,10 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments.eviction import belady_hit_rate
 from experiments.rag_serving import RecordingManager, Run, replay
 from experiments.workloads.datasets import load_squad
 from experiments.workloads.rag_stream import StreamConfig, make_stream, read_stream, write_stream
+from experiments.workloads.trace import belady_hit_rate
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.manager import KVCacheManager
 from kvjax.manager.hashing import InternalScope
