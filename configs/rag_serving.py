@@ -3,6 +3,7 @@ real engine through a finite device cache, eviction and host/disk tiers (``exper
 
     python -m experiments.run --config=configs/rag_serving.py
     python -m experiments.run --config=configs/rag_serving.py --config.cache.device_tokens=16384
+    python -m experiments.run --config=configs/rag_serving.py:long  # 1,000 queries
     python -m experiments.run --config=configs/rag_serving.py:tiny  # smoke run (a minute)
 """
 
@@ -12,10 +13,12 @@ import ml_collections
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    """Defaults: 1,000 queries of 4 BM25-retrieved passages on SmolLM2, four runs.
+    """Defaults: 240 queries of 4 BM25-retrieved passages on SmolLM2, four runs (about 30 minutes
+    on 2 cores).
 
     Args:
-      preset: "" (defaults) or "tiny": 24 queries of 2 passages on small caches, for tests.
+      preset: "" (defaults); "long": 1,000 queries, the same arrivals and drifts spread over them
+        (2.5 hours on 2 cores); "tiny": 24 queries of 2 passages on small caches, for tests.
     """
     config = ml_collections.ConfigDict()
     config.experiment = "rag_serving"  # module experiments.rag_serving
@@ -27,14 +30,14 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     config.stream = ml_collections.ConfigDict()  # workloads.rag_stream.StreamConfig, plus the trace file
     config.stream.trace = ""  # a stream.jsonl to serve (from an earlier run); empty = generate from the fields below
-    config.stream.num_queries = 1000  # queries in the stream
+    config.stream.num_queries = 240  # queries in the stream
     config.stream.seed = 0  # seed of every draw (passages, questions, drift, exact marks)
     config.stream.top_k = 4  # passages retrieved per query (chunks per prompt)
     config.stream.retriever = "bm25"  # bm25 | gold_distractors (the fallback: no retriever)
     config.stream.initial_articles = 8  # SQuAD articles present at the start (48 in all)
-    config.stream.article_every = 50  # queries between two article arrivals (0 = none)
+    config.stream.article_every = 12  # queries between two article arrivals (0 = none)
     config.stream.zipf_alpha = 1.0  # Zipf exponent of passage popularity by rank
-    config.stream.drift_every = 100  # queries between two popularity drifts (0 = none)
+    config.stream.drift_every = 24  # queries between two popularity drifts (0 = none)
     config.stream.drift_size = 20  # passages moved to the top of the ranking at each drift
     config.stream.exact_fraction = 0.1  # share of queries that must get exact KV (prefix reuse only)
 
@@ -56,19 +59,24 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.serving.max_new_tokens = 12  # greedy answer tokens per query
     config.serving.recompute_ratio = 0.15  # cacheblend's ratio; cacheblend_auto's floor
     config.serving.selector = "cacheblend"  # the selector (kvjax.blend.selection.SELECTORS)
+    # a chunk on no tier is recomputed in place until its n-th miss, then stored (1 = store at every miss)
+    config.serving.store_after_misses = 2
     config.serving.token_bucket = 64  # blended prompts pad to a multiple of this (shared compiled code)
     config.serving.quality_every = 10  # every n-th query is compared with full recompute
-    config.serving.window = 100  # queries per window of the over-time figures
-    config.serving.warmup_queries = 200  # queries before the steady-state table starts
+    config.serving.window = 20  # queries per window of the over-time figures
+    config.serving.warmup_queries = 80  # queries before the steady-state table starts
     # the blended runs' block traces are replayed through the manager alone at these multiples of the device cache
     config.replay_device_scales = (0.5, 1.0, 2.0, 4.0)
-    if preset == "tiny":
+    if preset == "long":
+        config.stream.update(num_queries=1000, article_every=50, drift_every=100)
+        config.serving.update(window=100, warmup_queries=200)
+    elif preset == "tiny":
         config.runs = ("no_reuse/lru/device", "prefix/priority_lru/device", "cacheblend/priority_lru/disk",
                        "cacheblend_auto/lru/disk")
         config.stream.update(num_queries=24, top_k=2, initial_articles=1, article_every=8, drift_every=6,
-                             drift_size=4, exact_fraction=0.25)
+                             drift_size=4, exact_fraction=0.25, zipf_alpha=2.0)
         config.cache.update(device_tokens=2048, host_mb=24.0, disk_mb=48.0)
         config.serving.update(concurrency=2, max_new_tokens=4, quality_every=4, window=8, warmup_queries=8)
     elif preset:
-        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default) or 'tiny'")
+        raise ValueError(f"unknown preset {preset!r}; allowed: '' (default), 'long' or 'tiny'")
     return config

@@ -12,8 +12,10 @@ others' decoding):
 
   policy    no_reuse         every prompt computed (block reuse off)
             prefix           prefix caching only (the radix tree)
-            cacheblend       chunk KV from a ``ChunkStore`` at a fixed recompute ratio;
-                             a chunk missing from every tier is prefilled into the store first
+            cacheblend       chunk KV from a ``ChunkStore`` at a fixed recompute ratio; a chunk
+                             missing from every tier is recomputed in place until its
+                             ``serving.store_after_misses``-th miss, then prefilled into the
+                             store first (1: at every miss, as LMCache stores every chunk)
             cacheblend_auto  the same, with the loading controller deciding per tier: chunks
                              on a tier whose read takes longer than recomputing them are
                              recomputed (not read), and the ratio rises to what the reads hide
@@ -361,6 +363,9 @@ class Server:
 
     def __init__(self, config: ml_collections.ConfigDict, work: Workload, run: Run, refs: dict[int, Reference],
                  disk_dir: str) -> None:
+        after = config.serving.store_after_misses
+        if not isinstance(after, int) or isinstance(after, bool) or after < 1:
+            raise ValueError(f"serving.store_after_misses={after!r} must be an int >= 1 (1: store at every miss)")
         self.config, self.work, self.run, self.refs = config, work, run, refs
         self.engine = make_engine(config, work, run, disk_dir)
         self.manager: RecordingManager = self.engine.manager  # type: ignore[assignment]
@@ -379,14 +384,17 @@ class Server:
             self.controller = LoadingController.measured(
                 work.model.params, work.model.config, self.engine.layout, self.engine.host_pool.throttles,
                 mean_tokens, min_ratio=s.recompute_ratio, disk_dir=disk_dir)
+        self.misses: collections.Counter[int] = collections.Counter()  # passage -> misses on every tier so far
         self.exact_keys: set[bytes] = set()
         self.compiles = timing.compile_counter()
 
     def _chunk_plan(self, query: StreamQuery, spans: Sequence[tuple[int, int]],
                     record: dict) -> tuple[tuple[tuple[int, int], ...], float]:
-        """Probes each chunk's tiers (recorded), stores the missing chunks, and returns the spans
-        to read from the store and the recompute ratio (``cacheblend_auto``: chunks on a tier
-        slower than recomputing them are left out, and the ratio hides the slowest read)."""
+        """Probes each chunk's tiers (recorded) and returns the spans to read from the store and
+        the recompute ratio. A chunk found on no tier is stored (prefilled alone) on its
+        ``serving.store_after_misses``-th miss; before that it is left out and recomputed in
+        place. ``cacheblend_auto`` also leaves out the chunks on a tier slower than recomputing
+        them, and its ratio hides the slowest read."""
         store, ps = self.store, self.engine.manager.tokens_per_block
         assert store is not None
         slowest = []
@@ -399,19 +407,23 @@ class Server:
             for t in found:
                 record[f"blocks_{t}"] += 1
             if "miss" in found:
-                store.put(chunk)
-                slowest.append("device")
+                self.misses[p] += 1
+                stored = self.misses[p] >= self.config.serving.store_after_misses
+                if stored:
+                    store.put(chunk)
+                slowest.append("device" if stored else "miss")
             else:
                 slowest.append(max(found, key=("device", "host", "disk").index))
             record[f"chunks_{slowest[-1]}"] += 1
+        kept = [(span, t) for span, t in zip(spans, slowest) if t != "miss"]
         if self.controller is None:
-            return tuple(spans), self.selection.recompute_ratio
+            return tuple(span for span, _ in kept), self.selection.recompute_ratio
         tokens = collections.Counter()
-        for (s, e), tier in zip(spans, slowest):
+        for (s, e), tier in kept:
             tokens[tier] += e - s
         skipped = {t for t in ("host", "disk") if tokens[t] and self.controller.break_even_ratio(t, tokens[t]) >= 1.0}
-        kept = [(span, t) for span, t in zip(spans, slowest) if t not in skipped]
-        record["recomputed_chunks"] = len(spans) - len(kept)
+        kept = [(span, t) for span, t in kept if t not in skipped]
+        record["recomputed_chunks"] = sum(t in skipped for t in slowest)
         loaded = [t for _, t in kept]
         tier = max(loaded, key=("device", "host", "disk").index) if loaded else "device"
         ratio = self.controller.choose_ratio(tier, sum(e - s for (s, e), _ in kept)) if loaded else 1.0
@@ -422,7 +434,7 @@ class Server:
         admitted = time.perf_counter()
         compiles = self.compiles.programs
         record = {"query": query.index, "exact": query.exact, "prompt_tokens": len(prompt),
-                  **{f"blocks_{t}": 0 for t in HIT_TIERS}, **{f"chunks_{t}": 0 for t in HIT_TIERS[:3]},
+                  **{f"blocks_{t}": 0 for t in HIT_TIERS}, **{f"chunks_{t}": 0 for t in HIT_TIERS},
                   "recomputed_chunks": 0}
         sampled = query.index in self.refs
         sampling = SamplingParams(max_new_tokens=self.config.serving.max_new_tokens, prompt_logits=int(sampled))
@@ -542,6 +554,7 @@ def steady_row(run: Run, records: Sequence[dict], warmup: int) -> dict:
         **{f"hit_{t}": blocks[t] / total if total else float("nan") for t in HIT_TIERS},
         "recomputed_share": float(np.mean([r["recomputed_share"] for r in after])),
         "recomputed_chunks": int(sum(r["recomputed_chunks"] for r in after)),
+        "unstored_chunks": int(sum(r.get("chunks_miss", 0) for r in after)),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
         "compiled_queries": sum(r["compiled"] for r in after),
         "output_tok_per_s": sum(r["output_tokens"] for r in after) / span if span > 0 else float("nan"),
@@ -607,10 +620,13 @@ def findings(steady: Sequence[dict], windows: dict[str, list[dict]], replays: Se
                 f"{first['first_query']} to {last['first_query']}; KL {row['kl']:.3g}, top-1 {row['top1']:.2f}, "
                 f"F1 {row['f1']:.3f} (full recompute {row['ref_f1']:.3f}, n = {row['quality_n']})."
             )
-    auto = [r for r in steady if r["run"].startswith("cacheblend_auto")]
-    for row in auto:
-        lines.append(f"- `{row['run']}` recomputed {row['recomputed_chunks']} chunks instead of reading them "
-                     f"(share of blocks on disk {row['hit_disk']:.3f}, on host {row['hit_host']:.3f}).")
+    for row in steady:
+        if row["run"].startswith("cacheblend_auto"):
+            lines.append(f"- `{row['run']}` recomputed {row['recomputed_chunks']} chunks instead of reading them "
+                         f"(share of blocks on disk {row['hit_disk']:.3f}, on host {row['hit_host']:.3f}).")
+        if row["run"].startswith("cacheblend"):
+            lines.append(f"- `{row['run']}` recomputed {row['unstored_chunks']} missing chunks in place (before their "
+                         f"{config.serving.store_after_misses}th miss, which stores them).")
     for r in replay_pivot(replays):
         if r["device_pages"] == config.cache.device_tokens // config.cache.tokens_per_block and "belady" in r:
             lines.append(f"- `{r['trace']}` trace, tiers {r['tiers']}: chunk-block hit rate LRU "
@@ -669,7 +685,10 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
             steady.append(steady_row(r, recs, config.serving.warmup_queries))
             exact = replay(server.manager.log, KVCacheManager(server.manager.config, server.engine.layout),
                            priorities=r.eviction == "priority_lru")
-            steady[-1]["replay_equal"] = exact.stats == dataclasses.asdict(server.manager.stats)
+            served = dataclasses.asdict(server.manager.stats)
+            steady[-1]["replay_equal"] = exact.stats == served
+            steady[-1]["replay_diff"] = " ".join(f"{k}:{served[k]}/{v}" for k, v in exact.stats.items()
+                                                 if v != served[k])  # counter:served/replayed
             if r.blended:
                 replays += replay_rows(config, r, server.engine, server.manager.log)
             report.write_csv(workdir / f"queries-{r.name.replace('/', '-')}.csv", recs,

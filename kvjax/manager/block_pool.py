@@ -379,13 +379,21 @@ class BlockPool:
 
     def intact(self, block: Block) -> bool:
         """Whether a matched block can be reused: True unless it sits on the disk tier and its
-        page fails the disk check; then the block (with its subtree in full groups) is dropped
-        ("removed" events) and counted in ``lost_disk_pages``. The block must be unreferenced."""
-        if block.tier is not Tier.DISK or self.disk_check is None or self.disk_check(self.group, block.page):
+        page (written, not a queued spill's destination) fails the disk check; then the block
+        (with its subtree in full groups) is dropped ("removed" events) and counted in
+        ``lost_disk_pages``. The block must be unreferenced."""
+        if block.tier is not Tier.DISK or self.disk_check is None or self._spill_queued(block.page):
+            return True
+        if self.disk_check(self.group, block.page):
             return True
         self.stats.lost_disk_pages += 1
         self._drop(block)
         return False
+
+    def _spill_queued(self, disk_page: int) -> bool:
+        """Whether a queued (not yet executed) spill writes ``disk_page``: the page file cannot
+        vouch for it yet, and the ops run in order, so an onboard queued after it reads it."""
+        return any(op.kind == "spill" and op.group == self.group and op.dst == disk_page for op in self.ops)
 
     def _count_onboard(self, tier: Tier) -> None:
         self.stats.onboarded_pages += 1

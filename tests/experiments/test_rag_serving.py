@@ -3,6 +3,7 @@ the real model."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import pathlib
@@ -118,6 +119,11 @@ def test_replay_of_a_recorded_block_trace_reproduces_the_manager(make):
     assert belady_hit_rate(again.accesses, capacity) >= again.chunk_hit_rate  # MIN bounds the manager
 
 
+def _records(path: pathlib.Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_tiny_preset_serves_the_stream_under_every_policy(tmp_path):
@@ -134,21 +140,43 @@ def test_tiny_preset_serves_the_stream_under_every_policy(tmp_path):
     assert all(steady[r]["exact_requests"] > 0 for r in config.runs if not r.startswith("no_reuse"))
     blend = steady["cacheblend/priority_lru/disk"]
     assert blend["hit_device"] + blend["hit_host"] + blend["hit_disk"] > 0  # chunks were reused
-    assert blend["recomputed_share"] < 0.6
+    blend_queries = _records(tmp_path / "queries-cacheblend-priority_lru-disk.csv")
+    loaded = [float(r["recomputed_share"]) for r in blend_queries if r["exact"] == "False" and r["chunks_miss"] == "0"]
+    k = str(config.stream.top_k)
+    unstored = [float(r["recomputed_share"]) for r in blend_queries if r["chunks_miss"] == k]
+    assert loaded and max(loaded) < 0.6  # every chunk read: a share of it recomputed
+    assert unstored and min(unstored) > 0.8  # no chunk stored yet: every chunk token recomputed in place
     # the disk tier reads at 0.01 GB/s, slower than recomputing: "auto" recomputes every chunk it
     # finds there and reads the others
-    queries = (tmp_path / "queries-cacheblend_auto-lru-disk.csv").read_text().splitlines()
-    header = queries[0].split(",")
-    records = [dict(zip(header, line.split(","))) for line in queries[1:]]
+    records = _records(tmp_path / "queries-cacheblend_auto-lru-disk.csv")
     assert sum(int(r["chunks_disk"]) for r in records) > 0 and sum(int(r["chunks_host"]) for r in records) > 0
     assert all(int(r["recomputed_chunks"]) == int(r["chunks_disk"]) for r in records)
+    # a chunk on no tier is recomputed in place at its first miss and stored at its second
+    assert blend["unstored_chunks"] > 0
+    first = next(r for r in records if r["exact"] == "False")
+    assert int(first["chunks_miss"]) == config.stream.top_k  # the first blended query finds nothing stored
+    assert steady["cacheblend_auto/lru/disk"]["unstored_chunks"] > 0
     assert {r["trace"] for r in results["replays"]} == {"cacheblend/priority_lru/disk", "cacheblend_auto/lru/disk"}
     for name in ("summary.md", "stream.jsonl", "windows.csv", "over_time.png"):
         assert (tmp_path / name).stat().st_size > 0
 
 
+def test_store_after_misses_names_the_field():
+    from configs import rag_serving as rag_serving_config
+    from experiments import rag_serving
+
+    config = rag_serving_config.get_config("tiny")
+    config.serving.store_after_misses = 0
+    with pytest.raises(ValueError, match=r"serving.store_after_misses=0 must be an int >= 1"):
+        rag_serving.Server(config, None, Run.parse("cacheblend/lru/device"), {}, "")
+
+
 def test_unknown_preset_is_an_error():
     from configs import rag_serving as rag_serving_config
 
-    with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: '' .default. or 'tiny'"):
+    with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: '' .default., 'long' or 'tiny'"):
         rag_serving_config.get_config("huge")
+    long, default = rag_serving_config.get_config("long").stream, rag_serving_config.get_config().stream
+    # the long preset spreads the default's arrivals and drifts over its 1,000 queries
+    assert long.num_queries // long.article_every == default.num_queries // default.article_every
+    assert long.num_queries // long.drift_every == default.num_queries // default.drift_every

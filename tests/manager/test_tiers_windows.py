@@ -99,6 +99,28 @@ def test_host_victims_spill_to_disk_and_onboard_from_there(make, run):
     mgr.check_consistency()
 
 
+def test_a_block_whose_spill_is_still_queued_is_not_lost(make, run):
+    """The disk check vouches only for written pages; a lookup between a spill and the step that
+    writes it (the engine runs the queued ops before the next forward) must still reuse the block."""
+    mgr = make(num_device_pages=2, host=1, disk=2)
+    written: set[int] = set()
+    mgr.attach_disk_check(lambda group, page: page in written)
+    run(mgr, "a", [1] * 4)  # page 1
+    run(mgr, "b", [2] * 4)  # a -> host
+    run(mgr, "c", [3] * 4)  # a spills to disk page 0: queued, not written
+    assert mgr.reusable_tiers([1] * 4 + [0]) == ["disk"]
+    assert mgr.add_request("d", [1] * 4 + [0]) == 4  # reused, ordered after the spill that writes it
+    ops = mgr.take_page_ops()
+    assert ops.index(PageOp("spill", 0, 0, 0)) < ops.index(PageOp("onboard_disk", 0, 0, 1))
+    assert mgr.stats.lost_disk_pages == 0
+    # b spilled to disk page 1 to make room for d, and that spill ran: its page now answers to the
+    # check, which (never told of the write) fails it; the block is dropped at the lookup
+    assert mgr.num_cached_blocks(0, "disk") == 1
+    assert mgr.reusable_tiers([2] * 4 + [0]) == [] and mgr.stats.lost_disk_pages == 1
+    assert mgr.num_cached_blocks(0, "disk") == 0
+    mgr.check_consistency()
+
+
 def test_reusable_tiers_names_each_reused_block_tier_without_side_effects(make, run):
     mgr = make(num_device_pages=2, host=1, disk=2)  # 1 device, 1 host, 2 disk pages of 4 tokens
     run(mgr, "a", [1] * 4)  # page 1
