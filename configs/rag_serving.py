@@ -13,20 +13,20 @@ import ml_collections
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    """Defaults: 240 queries of 4 BM25-retrieved passages on SmolLM2, four runs (about 30 minutes
-    on 2 cores).
+    """Defaults: the first 240 queries of a stream of 4 BM25-retrieved passages each on SmolLM2,
+    three runs (about 30 minutes on 2 cores).
 
     Args:
-      preset: "" (defaults); "long": 1,000 queries, the same arrivals and drifts spread over them
-        (2.5 hours on 2 cores); "tiny": 24 queries of 2 passages on small caches, for tests.
+      preset: "" (defaults); "long": 1,000 queries of the same stream and prefix caching as a
+        fourth run (2.5 hours on 2 cores); "tiny": 24 queries of 2 passages on small caches, for
+        tests.
     """
     config = ml_collections.ConfigDict()
     config.experiment = "rag_serving"  # module experiments.rag_serving
     config.model = "smollm2-135m"  # registry name: smollm2-135m | gemma3-270m
     config.gguf_path = ""  # local GGUF file; empty = from the model's PyPI package
     # policy/eviction/tiers (experiments.rag_serving.Run): each serves the whole stream on its own engine
-    config.runs = ("no_reuse/lru/device", "prefix/priority_lru/host", "cacheblend/priority_lru/disk",
-                   "cacheblend_auto/priority_lru/disk")
+    config.runs = ("no_reuse/lru/device", "cacheblend/priority_lru/disk", "cacheblend_auto/priority_lru/disk")
 
     config.stream = ml_collections.ConfigDict()  # workloads.rag_stream.StreamConfig, plus the trace file
     config.stream.trace = ""  # a stream.jsonl to serve (from an earlier run); empty = generate from the fields below
@@ -35,9 +35,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.stream.top_k = 4  # passages retrieved per query (chunks per prompt)
     config.stream.retriever = "bm25"  # bm25 | gold_distractors (the fallback: no retriever)
     config.stream.initial_articles = 8  # SQuAD articles present at the start (48 in all)
-    config.stream.article_every = 12  # queries between two article arrivals (0 = none)
+    config.stream.article_every = 50  # queries between two article arrivals (0 = none)
     config.stream.zipf_alpha = 1.0  # Zipf exponent of passage popularity by rank
-    config.stream.drift_every = 24  # queries between two popularity drifts (0 = none)
+    config.stream.drift_every = 100  # queries between two popularity drifts (0 = none)
     config.stream.drift_size = 20  # passages moved to the top of the ranking at each drift
     config.stream.exact_fraction = 0.1  # share of queries that must get exact KV (prefix reuse only)
 
@@ -68,7 +68,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # the blended runs' block traces are replayed through the manager alone at these multiples of the device cache
     config.replay_device_scales = (0.5, 1.0, 2.0, 4.0)
     if preset == "long":
-        config.stream.update(num_queries=1000, article_every=50, drift_every=100)
+        config.runs = ("no_reuse/lru/device", "prefix/priority_lru/host", "cacheblend/priority_lru/disk",
+                       "cacheblend_auto/priority_lru/disk")
+        config.stream.num_queries = 1000
         config.serving.update(window=100, warmup_queries=200)
     elif preset == "tiny":
         config.runs = ("no_reuse/lru/device", "prefix/priority_lru/device", "cacheblend/priority_lru/disk",

@@ -129,6 +129,37 @@ def test_page_scales_are_the_running_absmax_and_restart_at_offset_zero(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_token_scaled_pages_hold_the_same_bits_whatever_order_filled_them(dtype):
+    """The same 11 tokens written in one prefill, one by one (decode), or as drafts of which the
+    rejected ones are overwritten (speculative decoding) leave per-token-scaled pages equal bit
+    for bit; per-page scales depend on the history."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(1, 11, KV_HEADS, HEAD_DIM)) * np.linspace(0.5, 6.0, 11)[None, :, None, None],
+                    jnp.float32)
+    junk = jnp.asarray(9.0 * rng.normal(size=(1, 11, KV_HEADS, HEAD_DIM)), jnp.float32)
+    ids = jnp.asarray([[2] * 4 + [5] * 4 + [3] * 3], jnp.int32)
+    offsets = jnp.asarray([[0, 1, 2, 3] * 2 + [0, 1, 2]], jnp.int32)
+
+    def fill(granularity: str, writes: list[tuple[int, int, jax.Array]]) -> QuantizedPages:
+        pages = init_pool(layout(dtype, granularity, windows=(64,))).k[0]
+        for start, end, source in writes:
+            pages = write_layer(pages, ids[:, start:end], offsets[:, start:end], source[:, start:end])
+        return pages
+
+    orders = {
+        "prefill": [(0, 11, x)],
+        "decode": [(0, 5, x)] + [(t, t + 1, x) for t in range(5, 11)],
+        # drafts 6-9 rejected after 6 and 7 were accepted: 8, 9 rewritten with the real tokens
+        "speculative": [(0, 6, x), (6, 8, x), (8, 10, junk), (8, 11, x)],
+    }
+    for granularity in ("token", "page"):
+        filled = {name: fill(granularity, writes) for name, writes in orders.items()}
+        same = [all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                    zip(jax.tree.leaves(filled["prefill"]), jax.tree.leaves(other))) for other in filled.values()]
+        assert all(same) if granularity == "token" else not all(same)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_page_scale_writes_agree_whether_they_touch_a_few_pages_or_sweep_the_pool(dtype):
     """A write of fewer slots than the pool has pages re-quantizes only those pages; a larger
     one sweeps the pool. Both leave the written pages identical."""
