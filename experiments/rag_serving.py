@@ -15,7 +15,7 @@ others' decoding):
             cacheblend       chunk KV from a ``ChunkStore`` at a fixed recompute ratio; a chunk
                              missing from every tier is recomputed in place until its
                              ``serving.store_after_misses``-th miss, then prefilled into the
-                             store first (1: at every miss, as LMCache stores every chunk)
+                             store first (1: at every miss)
             cacheblend_auto  the same, with the loading controller deciding per tier: chunks
                              on a tier whose read takes longer than recomputing them are
                              recomputed (not read), and the ratio rises to what the reads hide
@@ -554,9 +554,9 @@ def steady_row(run: Run, records: Sequence[dict], warmup: int) -> dict:
         **{f"hit_{t}": blocks[t] / total if total else float("nan") for t in HIT_TIERS},
         "recomputed_share": float(np.mean([r["recomputed_share"] for r in after])),
         "recomputed_chunks": int(sum(r["recomputed_chunks"] for r in after)),
-        "unstored_chunks": int(sum(r.get("chunks_miss", 0) for r in after)),
-        "host_chunks": int(sum(r.get("chunks_host", 0) for r in after)),
-        "disk_chunks": int(sum(r.get("chunks_disk", 0) for r in after)),
+        "unstored_chunks": int(sum(r["chunks_miss"] for r in after)),
+        "host_chunks": int(sum(r["chunks_host"] for r in after)),
+        "disk_chunks": int(sum(r["chunks_disk"] for r in after)),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
         "compiled_queries": sum(r["compiled"] for r in after),
         "output_tok_per_s": sum(r["output_tokens"] for r in after) / span if span > 0 else float("nan"),
@@ -628,8 +628,8 @@ def findings(steady: Sequence[dict], windows: dict[str, list[dict]], replays: Se
                          f"{row['host_chunks']} whose slowest blocks were on the host tier and {row['disk_chunks']} on "
                          f"the disk tier.")
         if row["run"].startswith("cacheblend"):
-            lines.append(f"- `{row['run']}` recomputed {row['unstored_chunks']} missing chunks in place (before their "
-                         f"{config.serving.store_after_misses}th miss, which stores them).")
+            lines.append(f"- `{row['run']}` recomputed {row['unstored_chunks']} missing chunks in place (a chunk is "
+                         f"stored at miss number {config.serving.store_after_misses}).")
     for r in replay_pivot(replays):
         if r["device_pages"] == config.cache.device_tokens // config.cache.tokens_per_block and "belady" in r:
             lines.append(f"- `{r['trace']}` trace, tiers {r['tiers']}: chunk-block hit rate LRU "
