@@ -220,6 +220,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     with open(workdir / PIECES, "a") as f:
         f.write(json.dumps(report.jsonable(piece)) + "\n")
     results = cacheblend_report.write_folder(workdir)
+    report.write_json(workdir / "results.json", results)  # in the piece's commit (run.py writes the same again)
     if config.piece.commit:
         total = len(read_lines(workdir / RECORDS))
         _commit(workdir, f"Results: {config.experiment} {workdir.name}, piece {piece['piece']} ({len(scored)} prompts, "

@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp
 
 from kvjax.cache import PagePool, QuantizedPages
 from kvjax.engine import Engine
-from kvjax.manager import KVCacheManager, SnapshotError
+from kvjax.manager import KVCacheManager, SnapshotError, TieredCacheManager, require_tiered
 from kvjax.manager.state_snapshots import StateSnapshotIndex
 
 FORMAT_VERSION = 2
@@ -184,17 +184,17 @@ def save_snapshot(
 
 
 def _save(engine: Engine, directory: str | os.PathLike, step: int | None, overwrite: bool) -> int:
-    _check_engine(engine, "save_snapshot")
+    manager = _check_engine(engine, "save_snapshot")
     _check_step(step)
     root = _root(directory)
     _recover(root)
-    engine.manager.drop_lost_disk_blocks()  # a damaged disk page is not saved as if it were cached
+    manager.drop_lost_disk_blocks()  # a damaged disk page is not saved as if it were cached
     arrays = _arrays(engine)
     document = {
         "format_version": FORMAT_VERSION,
         **_identity(engine),
         "arrays_blake3": _arrays_digest(arrays),
-        "manager_state": engine.manager.state_dict(),
+        "manager_state": manager.state_dict(),
         "state_snapshots": None if engine.recurrent is None else engine.recurrent.index.state_dict(),
     }
     document = json.loads(json.dumps(document))  # hash exactly what restore will read back
@@ -271,14 +271,11 @@ def _complete(step_dir: pathlib.Path) -> bool:
     return (step_dir / "meta").is_dir() and (step_dir / "arrays").is_dir()
 
 
-def _check_engine(engine: Engine, call: str) -> None:
+def _check_engine(engine: Engine, call: str) -> TieredCacheManager:
+    """The idle ``engine``'s manager, whose state a snapshot holds, or a ``ValueError`` naming ``call``."""
     if engine.has_work:
         raise ValueError(f"{call} needs an idle engine: finish or drop queued/running requests first")
-    if engine.uses_manager_v2:
-        raise ValueError(
-            f"{call} is not supported with use_kv_cache_manager_v2 (this engine runs Manager V2, whose allocation "
-            "state lives on the device); build the engine with use_kv_cache_manager_v2='false' to save or restore"
-        )
+    return require_tiered(engine.manager, call)
 
 
 def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> int:

@@ -204,9 +204,11 @@ def test_a_refused_restore_changes_nothing(model, busy, tmp_path):
     v2 = Engine(model, kv, SchedulerConfig(max_num_tokens=64, prefill_chunk_size=32), max_seq_len=32)
     prompt = list(range(1, 14))
     [first] = v2.generate([prompt], GREEDY)
-    with pytest.raises(ValueError, match=r"restore_snapshot is not supported with use_kv_cache_manager_v2"):
+    with pytest.raises(ValueError, match=r"restore_snapshot"
+                       r" needs the V1 manager .*KVCacheManagerV2 .*use_kv_cache_manager_v2='false'"):
         restore_snapshot(v2, tmp_path)
-    with pytest.raises(ValueError, match=r"save_snapshot is not supported with use_kv_cache_manager_v2"):
+    with pytest.raises(ValueError, match=r"save_snapshot"
+                       r" needs the V1 manager .*KVCacheManagerV2 .*use_kv_cache_manager_v2='false'"):
         save_snapshot(v2, tmp_path / "v2")
     [again] = v2.generate([prompt], GREEDY)
     assert again.output == first.output and again.num_reused_tokens == 12

@@ -37,6 +37,7 @@ import numpy as np
 from kvjax.blend.fidelity import FidelityConfig, FidelityReport, require
 from kvjax.cache.pool import sequence_slots
 from kvjax.config import KvCacheRetentionConfig
+from kvjax.manager import require_tiered
 from kvjax.manager.hashing import InternalScope, check_token_ids
 from kvjax.sampling import SamplingParams
 
@@ -117,12 +118,7 @@ class ChunkStore:
             raise ValueError("variant='system' needs the shared prefix_tokens")
         if not engine.kv_config.enable_block_reuse:
             raise ValueError("kv_cache_config.enable_block_reuse=False: chunks cannot be stored as reusable blocks")
-        if engine.uses_manager_v2:
-            raise ValueError(
-                "a ChunkStore needs the V1 manager: CacheBlend chunks are not supported by Manager V2 "
-                "(use_kv_cache_manager_v2, or 'auto' choosing V2); build the engine with "
-                "use_kv_cache_manager_v2='false'"
-            )
+        require_tiered(engine.manager, "a ChunkStore (CacheBlend chunks)")
         self.engine = engine
         self.variant = variant
         self.retention = retention
@@ -165,7 +161,8 @@ class ChunkStore:
         stops at the first missing block, so every later block is a miss too)."""
         stored = self.stored_tokens(tokens)
         ps = self.tokens_per_block
-        found = self.engine.manager.reusable_tiers((*stored, SENTINEL), cache_salt=self.salt)
+        manager = require_tiered(self.engine.manager, "ChunkStore")
+        found = manager.reusable_tiers((*stored, SENTINEL), cache_salt=self.salt)
         first = self.stored_start // ps  # the first block holding a chunk token
         last = -(-(self.stored_start + len(tokens)) // ps)
         return [found[b] if b < len(found) else "miss" for b in range(first, last)]

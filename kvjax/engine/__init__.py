@@ -8,7 +8,7 @@ and outputs) and ``manager_choice`` (V1 or V2)."""
 
 from kvjax.engine.buckets import MIN_TABLE_WIDTH, PREFILL_STEP, pow2_bucket, prefill_bucket, table_width
 from kvjax.engine.engine import Engine
-from kvjax.engine.manager_choice import choose_manager_v2
+from kvjax.engine.manager_choice import choose_manager_v2, manager_builder
 from kvjax.engine.outputs import RequestOutput, RequestRecord
 from kvjax.engine.requests import ChunkedPrompt, check_token_ids
 
@@ -21,6 +21,7 @@ __all__ = [
     "RequestRecord",
     "check_token_ids",
     "choose_manager_v2",
+    "manager_builder",
     "pow2_bucket",
     "prefill_bucket",
     "table_width",

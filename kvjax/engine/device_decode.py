@@ -3,7 +3,8 @@
 When every running request decodes and nothing admissible waits, the engine hands the step to
 ``DeviceDecode``: up to ``num_decode_steps_per_dispatch`` tokens of every running request come
 from one dispatch of ``kvjax.decode.decode_steps``, which takes pages, runs the forward,
-samples and applies stops on the device against Manager V2's device-side allocation state.
+samples and applies stops on the device against Manager V2's device-side allocation state
+(``kvjax.manager.DeviceStateManager``).
 """
 
 from __future__ import annotations
@@ -19,19 +20,20 @@ from kvjax.decode import decode_steps
 from kvjax.engine.buckets import pow2_bucket, table_width
 from kvjax.engine.runner import StepRunner, sampling_arrays
 from kvjax.engine.scheduler import ScheduledRequest, SchedulerRequest
-from kvjax.manager.manager_v2 import KVCacheManagerV2
+from kvjax.manager import CacheManager, DeviceStateManager
 
 
 class DeviceDecode:
-    """The on-device decode loop of a Manager V2 engine.
+    """The on-device decode loop of an engine whose manager keeps its allocation state on the
+    device (Manager V2).
 
     Args:
-      manager: the engine's Manager V2 (its ``states`` are replaced by each dispatch).
+      manager: the engine's manager (its ``states`` are replaced by each dispatch).
       runner: the engine's step runner (context, records, timings).
       num_steps: tokens per request per dispatch at most (``num_decode_steps_per_dispatch``).
     """
 
-    def __init__(self, manager: KVCacheManagerV2, runner: StepRunner, num_steps: int) -> None:
+    def __init__(self, manager: DeviceStateManager, runner: StepRunner, num_steps: int) -> None:
         self.manager = manager
         self.runner = runner
         self.num_steps = num_steps
@@ -73,3 +75,9 @@ class DeviceDecode:
         timings["decode_steps"] += int(counts.max(initial=0))
         timings["decode_dispatches"] += 1
         return {w.request_id: emitted[i, : counts[i]].tolist() for i, w in enumerate(works)}, bool(ok)
+
+
+def device_decode_for(manager: CacheManager, runner: StepRunner, num_steps: int) -> DeviceDecode | None:
+    """The engine's on-device decode loop over ``manager``, or None when ``manager`` keeps its
+    allocation state on the host (every decode then steps through the scheduler)."""
+    return DeviceDecode(manager, runner, num_steps) if isinstance(manager, DeviceStateManager) else None

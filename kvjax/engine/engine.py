@@ -29,8 +29,8 @@ from jax.sharding import Mesh
 from kvjax import attention, distributed
 from kvjax.cache import CacheLayout, HostPool, PagePool, TierThrottle, init_pool
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, SpeculativeConfig
-from kvjax.engine.device_decode import DeviceDecode
-from kvjax.engine.manager_choice import choose_manager_v2
+from kvjax.engine.device_decode import DeviceDecode, device_decode_for
+from kvjax.engine.manager_choice import manager_builder
 from kvjax.engine.outputs import Records, RequestOutput, RequestRecord, to_output
 from kvjax.engine.recurrent import RecurrentState
 from kvjax.engine.requests import (
@@ -43,9 +43,7 @@ from kvjax.engine.requests import (
 from kvjax.engine.runner import Runner, StepContext, StepRunner, run_works
 from kvjax.engine.scheduler import Scheduler
 from kvjax.engine.speculative_step import SpeculativeDecode
-from kvjax.manager import KVCacheManager, MultimodalItem
-from kvjax.manager.interface import CacheManager
-from kvjax.manager.manager_v2 import KVCacheManagerV2
+from kvjax.manager import CacheManager, MultimodalItem, require_tiered
 from kvjax.model.model import Model
 from kvjax.model.transformer import CompileUnit, forward_for
 from kvjax.sampling import SamplingParams
@@ -89,8 +87,9 @@ class Engine:
         cfg = model.config
         check_engine_options(cfg, max_seq_len, attn_impl, max_finished_requests, speculative, mesh, kv_cache_config)
         model_forward = forward_for(compile_unit)  # raises for an unknown compile unit, before anything is built
-        self.uses_manager_v2 = choose_manager_v2(kv_cache_config, cfg, speculative, mesh is not None)
-        """Manager V2 (device-side allocation state, on-device decode) rather than V1."""
+        build_manager = manager_builder(
+            kv_cache_config, cfg, speculative, mesh is not None, scheduler_config.max_batch_size
+        )
         self.model, self.kv_config, self.scheduler_config = model, kv_cache_config, scheduler_config
         self.max_seq_len, self.attn_impl, self.speculative = max_seq_len or cfg.max_seq_len, attn_impl, speculative
         self.layout, self.cache_size = CacheLayout.for_model(
@@ -109,8 +108,7 @@ class Engine:
         )
         """The host and disk tiers' pages; built before the manager, since it checks the disk
         tier against the free space before any structure is sized by it."""
-        manager = (KVCacheManagerV2(kv_cache_config, self.layout, scheduler_config.max_batch_size)
-                   if self.uses_manager_v2 else KVCacheManager(kv_cache_config, self.layout))
+        manager = build_manager(self.layout)
         self.requests = Records(max_finished_requests)
         self._ids = itertools.count()
         self.lock = threading.RLock()
@@ -135,11 +133,12 @@ class Engine:
         )
         self.runners: dict[str, Runner] = {"prefill": self.runner.prefill, "blend": self.runner.blend, "decode": decode}
         """The step's runners by kind of work (see ``kvjax.engine.runner``)."""
-        self.device_decode = (DeviceDecode(manager, self.runner, scheduler_config.num_decode_steps_per_dispatch)
-                              if self.uses_manager_v2 else None)
-        self._decode_on_device = self.uses_manager_v2
-        """Whether the next pure-decode step may run on the device (off for one step after a
-        dispatch that ran out of pages or raised, so the scheduler preempts or isolates)."""
+        self.device_decode = device_decode_for(manager, self.runner, scheduler_config.num_decode_steps_per_dispatch)
+        """The on-device decode loop (None when the manager keeps no allocation state on the device)."""
+        self._decode_on_device = True
+        """Whether the next pure-decode step may run on the device, if the engine has the loop
+        (off for one step after a dispatch that ran out of pages or raised, so the scheduler
+        preempts or isolates)."""
         self._attach(manager)
 
     @property
@@ -156,24 +155,21 @@ class Engine:
     def pool(self, pool: PagePool) -> None:
         self.runner.context.pool = pool
 
-    def set_manager(self, manager: KVCacheManager) -> None:
+    def set_manager(self, manager: CacheManager) -> None:
         """Swaps in another manager (a restored snapshot); the engine must be idle."""
         with self.lock:
             if self.has_work:
                 raise ValueError("set_manager needs an idle engine: finish or drop queued/running requests first")
-            if self.uses_manager_v2:
-                raise ValueError(
-                    "set_manager swaps a V1 manager; this engine runs Manager V2 (use_kv_cache_manager_v2)"
-                )
+            require_tiered(self.manager, "set_manager")
             self.runner.context.manager = manager
             self._attach(manager)
 
     def _attach(self, manager: CacheManager) -> None:
         self.scheduler = Scheduler(self.scheduler_config, manager)
         if self.host_pool.disk:
-            manager.attach_disk_check(self.host_pool.check_disk)
+            require_tiered(manager, "kv_cache_config.disk_cache_size").attach_disk_check(self.host_pool.check_disk)
         if self.recurrent is not None:
-            manager.attach_state_snapshots(self.recurrent.index)
+            require_tiered(manager, "a hybrid model's recurrent state").attach_state_snapshots(self.recurrent.index)
 
     def submit(
         self,
@@ -199,16 +195,9 @@ class Engine:
         """
         cfg = self.model.config
         prompt = check_token_ids(prompt_token_ids, cfg.vocab_size)
-        if chunks is not None or self.uses_manager_v2:
+        if chunks is not None or retention is not None:
             cache_salt = check_request_features(
-                self.runner.context,
-                prompt,
-                retention,
-                chunks,
-                cache_salt,
-                lora_id,
-                mm_items,
-                manager_v2=self.uses_manager_v2,
+                self.runner.context, prompt, retention, chunks, cache_salt, lora_id, mm_items,
                 hybrid=self.recurrent is not None,
             )
         sched = scheduler_request(prompt, sampling, cfg, self._ids, request_id=request_id, retention=retention,
@@ -287,14 +276,14 @@ class Engine:
         (a failing batch is run again one request at a time to find it); the others go on.
         """
         with self.lock:
-            running = self.scheduler.running
-            if self._decode_on_device and self.scheduler.decodes_only and not any(
+            running, device_decode = self.scheduler.running, self.device_decode
+            if device_decode is not None and self._decode_on_device and self.scheduler.decodes_only and not any(
                     self.requests[rid].sampling.return_logits for rid in running):
                 try:
-                    return self._step_on_device()
+                    return self._step_on_device(device_decode)
                 except Exception as e:
                     log.warning("on-device decode failed (%s: %s); stepping through the scheduler", type(e).__name__, e)
-            self._decode_on_device = self.uses_manager_v2
+            self._decode_on_device = True
             plan = self.scheduler.schedule()
             for rid in plan.preempted:
                 self.requests[rid].restart()
@@ -314,10 +303,10 @@ class Engine:
                 self._finish(rid)
             return list(sampled.items())
 
-    def _step_on_device(self) -> list[tuple[str, int | list[int]]]:
-        """Every running request's next tokens from one on-device dispatch (``DeviceDecode``);
-        a dispatch short of pages hands the next step to the scheduler, which preempts."""
-        emitted, self._decode_on_device = self.device_decode(list(self.scheduler.running.values()))
+    def _step_on_device(self, device_decode: DeviceDecode) -> list[tuple[str, int | list[int]]]:
+        """Every running request's next tokens from one dispatch of ``device_decode``; a
+        dispatch short of pages hands the next step to the scheduler, which preempts."""
+        emitted, self._decode_on_device = device_decode(list(self.scheduler.running.values()))
         for rid in self.scheduler.record_decodes(emitted):
             self._finish(rid)
         return [(rid, tokens) for rid, tokens in emitted.items() if tokens]

@@ -1,13 +1,18 @@
 """Which cache manager an engine runs: Manager V2 or V1 (``use_kv_cache_manager_v2``).
 
-The one place that asks: everything else sees the ``kvjax.manager.CacheManager`` interface.
+The one place that asks: everything else sees the ``kvjax.manager.CacheManager`` interface
+(and asks for an extension of it by what it offers, ``kvjax.manager.require_tiered``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+from kvjax.cache.layout import CacheLayout
 from kvjax.config import ConfigError, KvCacheConfig, SpeculativeConfig
+from kvjax.manager import CacheManager, KVCacheManager
+from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -53,3 +58,22 @@ def choose_manager_v2(
         )
     log.info("use_kv_cache_manager_v2='auto': model prefers V2 but %s needs V1", "; ".join(needs_v1))
     return False
+
+
+def manager_builder(
+    config: KvCacheConfig,
+    cfg: ModelConfig,
+    speculative: SpeculativeConfig | None,
+    sharded: bool,
+    max_batch_size: int,
+) -> Callable[[CacheLayout], CacheManager]:
+    """What builds the engine's cache manager once its layout is known: Manager V2
+    (``max_batch_size`` block-table rows) when ``choose_manager_v2`` says so, else V1. The
+    choice is checked now, before the engine builds anything.
+
+    Raises:
+      ConfigError: as ``choose_manager_v2``.
+    """
+    if choose_manager_v2(config, cfg, speculative, sharded):
+        return lambda layout: KVCacheManagerV2(config, layout, max_batch_size)
+    return lambda layout: KVCacheManager(config, layout)

@@ -1,7 +1,7 @@
 """What an engine's options and a submission are checked against before any state changes:
 the options (``check_engine_options``), prompt token ids,
 sampling, optional string fields, LoRA and multimodal items, the ``ChunkedPrompt`` protocol of
-a blended request, and the request features Manager V2 lacks; ``scheduler_request`` builds the
+a blended request, and the request features that need a ``TieredCacheManager``; ``scheduler_request`` builds the
 scheduler's entry from arguments that passed."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from kvjax import attention
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SpeculativeConfig, as_retention_config
 from kvjax.engine.scheduler import SchedulerRequest
-from kvjax.manager import MultimodalItem, hashing
+from kvjax.manager import MultimodalItem, hashing, require_tiered
 from kvjax.model.config import ModelConfig
 from kvjax.sampling import SamplingParams
 
@@ -92,20 +92,17 @@ def check_request_features(
     lora_id: int | None,
     mm_items: Sequence[MultimodalItem],
     *,
-    manager_v2: bool,
     hybrid: bool,
 ) -> str | None:
-    """Raises ``ValueError`` for a request feature the engine lacks (Manager V2: retention
-    priorities and CacheBlend chunks; hybrid models: chunks) or a blended request's bad
-    field; returns the request's cache salt (a blended request's is ``chunks.salt``)."""
-    if manager_v2 and retention is not None and as_retention_config(retention) != KvCacheRetentionConfig():
-        raise ValueError(
-            "retention: per-request retention priorities need the V1 manager (use_kv_cache_manager_v2='false')"
-        )
+    """Raises ``ValueError`` for a request feature the engine lacks (retention priorities and
+    CacheBlend chunks need a ``TieredCacheManager``; hybrid models take no chunks) or a
+    blended request's bad field; returns the request's cache salt (a blended request's is
+    ``chunks.salt``)."""
+    if retention is not None and as_retention_config(retention) != KvCacheRetentionConfig():
+        require_tiered(context.manager, "retention (per-request retention priorities)")
     if chunks is None:
         return cache_salt
-    if manager_v2:
-        raise ValueError("chunks: CacheBlend chunk reuse needs the V1 manager (use_kv_cache_manager_v2='false')")
+    require_tiered(context.manager, "chunks (CacheBlend chunk reuse)")
     if hybrid:
         raise ValueError(f"chunks: CacheBlend chunk reuse is not supported for the hybrid model {context.cfg.name!r}")
     if cache_salt is not None or lora_id is not None or mm_items:

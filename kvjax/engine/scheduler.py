@@ -37,8 +37,7 @@ from typing import Literal
 
 from kvjax.config import KvCacheRetentionConfig, SchedulerConfig
 from kvjax.manager.hashing import BlockKey, MultimodalItem
-from kvjax.manager.interface import CacheManager
-from kvjax.manager.manager import OutOfPagesError
+from kvjax.manager.interface import CacheManager, OutOfPagesError
 
 _Verdict = Literal["admit", "defer", "stop"]
 """An admission decision (``Scheduler._verdict``)."""

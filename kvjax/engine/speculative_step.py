@@ -22,6 +22,7 @@ from kvjax.config import SpeculativeConfig
 from kvjax.engine.buckets import pow2_bucket, table_width
 from kvjax.engine.runner import Sampled, StepRunner, sampling_arrays, step_inputs
 from kvjax.engine.scheduler import ScheduledRequest
+from kvjax.manager import TieredCacheManager, require_tiered
 from kvjax.speculative import DraftRow, make_drafter, verify
 
 
@@ -47,15 +48,16 @@ class SpeculativeDecode:
         nothing runs as a plain decode."""
         start_time = time.perf_counter()
         runner, ctx, k = self.runner, self.runner.context, self.config.num_draft_tokens
+        manager = require_tiered(ctx.manager, "speculative decoding")
         rows = pow2_bucket(len(works))
-        draft_rows, allocated = self._draft_rows(works)
+        draft_rows, allocated = self._draft_rows(works, manager)
         tables = ctx.block_tables(works, rows, table_width(ctx.layout.pages_for(max(allocated))))
         drafts, ctx.pool = self.drafter.propose(draft_rows, rows, ctx.pool, tables)
         num_drafts = drafts.num_drafts
         runner.timings["draft_s"] += time.perf_counter() - start_time
         if not num_drafts.any():
             for w, slots in zip(works, allocated):
-                ctx.manager.rollback(w.request_id, slots - w.start - 1)
+                manager.rollback(w.request_id, slots - w.start - 1)
             return runner.decode(works)
         draft_tokens = np.zeros((rows, k), np.int32)
         draft_tokens[:, : drafts.tokens.shape[1]] = drafts.tokens
@@ -84,7 +86,7 @@ class SpeculativeDecode:
         emitted: Sampled = {}
         for i, (w, slots) in enumerate(zip(works, allocated)):
             a = int(accepted[i])
-            ctx.manager.rollback(w.request_id, slots - (w.start + 1 + a))
+            manager.rollback(w.request_id, slots - (w.start + 1 + a))
             emitted[w.request_id] = draft_tokens[i, :a].tolist() + [int(following[i])]
             record = runner.records[w.request_id]
             if record.sampling.return_logits:
@@ -99,10 +101,13 @@ class SpeculativeDecode:
         timings["spec_accepted"] += int(accepted.sum())
         return emitted
 
-    def _draft_rows(self, works: Sequence[ScheduledRequest]) -> tuple[list[DraftRow], list[int]]:
-        """Takes each decode's draft slots (free pages only, after the scheduler's allocations)
-        and describes it to the drafter; returns (rows, each request's slot count now)."""
-        k, manager = self.config.num_draft_tokens, self.runner.context.manager
+    def _draft_rows(
+        self, works: Sequence[ScheduledRequest], manager: TieredCacheManager
+    ) -> tuple[list[DraftRow], list[int]]:
+        """Takes each decode's draft slots from ``manager`` (free pages only, after the
+        scheduler's allocations) and describes it to the drafter; returns (rows, each
+        request's slot count now)."""
+        k = self.config.num_draft_tokens
         rows, allocated = [], []
         for w in works:
             record = self.runner.records[w.request_id]

@@ -3,8 +3,14 @@ windows, events, and the one interface (``CacheManager``) its two implementation
 
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import InternalScope, MultimodalItem, block_key, mm_hash, root_key
-from kvjax.manager.interface import CacheManager
-from kvjax.manager.manager import KVCacheManager, OutOfPagesError
+from kvjax.manager.interface import (
+    CacheManager,
+    DeviceStateManager,
+    OutOfPagesError,
+    TieredCacheManager,
+    require_tiered,
+)
+from kvjax.manager.manager import KVCacheManager
 from kvjax.manager.state import ConsistencyError, SnapshotError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
@@ -13,6 +19,7 @@ __all__ = [
     "CacheManager",
     "CacheStats",
     "ConsistencyError",
+    "DeviceStateManager",
     "InternalScope",
     "KVCacheEvent",
     "KVCacheManager",
@@ -21,7 +28,9 @@ __all__ = [
     "PageOp",
     "RequestStats",
     "SnapshotError",
+    "TieredCacheManager",
     "block_key",
     "mm_hash",
+    "require_tiered",
     "root_key",
 ]

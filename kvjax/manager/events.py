@@ -80,3 +80,10 @@ class EventBuffer:
 
     def peek(self) -> list[KVCacheEvent]:
         return list(self._events)
+
+    def load(self, next_id: int, num_dropped: int, pending: list[KVCacheEvent]) -> None:
+        """Replaces the buffer's state with a snapshot's: its id counter, drop count and the
+        events not yet drained (oldest first)."""
+        self.next_id, self.num_dropped = next_id, num_dropped
+        self._events.clear()
+        self._events.extend(pending)

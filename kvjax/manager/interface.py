@@ -1,11 +1,18 @@
-"""``CacheManager``: what the scheduler, the engine and the tools call on a KV cache manager.
+"""What the scheduler, the engine and the tools call on a KV cache manager, and its errors.
 
-Two managers implement it: ``KVCacheManager`` (V1, host state: radix tree, tiers, events,
-retention, speculative rollback, recurrent-state snapshots, snapshots of its state) and
-``KVCacheManagerV2`` (allocation state on the device, for the on-device decode loop). V2
-answers every call; the V1-only features raise ``NotImplementedError`` naming
-``use_kv_cache_manager_v2``. The choice between them is made once, by
-``kvjax.engine.choose_manager_v2``; nothing else asks which one it has.
+``CacheManager`` is what every manager answers: admission, growth, commits, block tables,
+counters. Two managers implement it, and each offers one extension of it:
+
+- ``KVCacheManager`` (V1) is a ``TieredCacheManager``: its reuse index lives on the host
+  (radix tree, host and disk tiers, events, retention priorities, speculative slots, chunk
+  scopes, recurrent-state snapshots, snapshots of its own state);
+- ``KVCacheManagerV2`` is a ``DeviceStateManager``: its allocation state lives on the device,
+  where the on-device decode loop (``kvjax.engine.device_decode``) takes pages itself.
+
+No member raises ``NotImplementedError``: a feature that needs an extension asks for it with
+``require_tiered``, whose error names the feature and the switch. The choice between the two
+is made once, by ``kvjax.engine.manager_choice.build_manager``; nothing else asks which one
+it has.
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
 
 if TYPE_CHECKING:
+    from kvjax.manager.functional import PageState
     from kvjax.manager.state_snapshots import StateSnapshotIndex
+
+
+class OutOfPagesError(RuntimeError):
+    """A layer group's device pool cannot provide the pages a call needs (the manager's state
+    is as before the call; the scheduler preempts a request and retries)."""
 
 
 @runtime_checkable
@@ -93,12 +106,6 @@ class CacheManager(Protocol):
     def free_request(self, request_id: str) -> None:
         """Releases the request's pages (its committed full blocks stay cached)."""
 
-    def allocate_drafts(self, request_id: str, num_total_tokens: int) -> int:
-        """Speculative decoding: pages for draft tokens; returns the drafts that fit."""
-
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        """Speculative decoding: forgets the last ``num_tokens`` uncommitted slots."""
-
     # ------------------------------------------------------------------ what the step reads
 
     def block_table(self, request_id: str, group: int) -> list[int]:
@@ -117,7 +124,31 @@ class CacheManager(Protocol):
 
     def request_ids(self) -> list[str]: ...
 
-    # ------------------------------------------------------------------ features and tools
+    def check_consistency(self) -> None:
+        """Raises ``AssertionError`` (or ``ConsistencyError``) if the bookkeeping breaks an invariant."""
+
+
+@runtime_checkable
+class TieredCacheManager(CacheManager, Protocol):
+    """A manager whose reuse index lives on the host (``KVCacheManager``): speculative slots,
+    KV cache events, host and disk tiers, chunk scopes, recurrent-state snapshots and
+    snapshots of its own state."""
+
+    def allocate_drafts(self, request_id: str, num_total_tokens: int) -> int:
+        """Speculative decoding: pages for draft tokens; returns the drafts that fit."""
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Speculative decoding: forgets the last ``num_tokens`` uncommitted slots."""
+
+    def reusable_tiers(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
+    ) -> list[str]:
+        """The tier ("device", "host", "disk") of each reusable block of the prompt, in order."""
 
     def get_kv_cache_events(self) -> list[KVCacheEvent]: ...
 
@@ -131,7 +162,32 @@ class CacheManager(Protocol):
 
     def state_dict(self) -> dict: ...
 
-    def check_consistency(self) -> None: ...
+
+@runtime_checkable
+class DeviceStateManager(CacheManager, Protocol):
+    """A manager whose allocation state lives on the device (``KVCacheManagerV2``): the
+    on-device decode loop reads and replaces ``states`` and finds requests by row."""
+
+    states: tuple[PageState, ...]
+    """Allocation state per layer group (``kvjax.manager.functional``)."""
+
+    @property
+    def max_blocks(self) -> int:
+        """Block-table width: blocks of the longest sequence."""
+
+    def row_of(self, request_id: str) -> int:
+        """The block-table row holding ``request_id``."""
+
+
+def require_tiered(manager: CacheManager, feature: str) -> TieredCacheManager:
+    """``manager`` as a ``TieredCacheManager``, or a ``ValueError`` naming ``feature`` (the
+    field or call that needs it) and the switch that gives an engine one."""
+    if isinstance(manager, TieredCacheManager):
+        return manager
+    raise ValueError(
+        f"{feature} needs the V1 manager (a host reuse index); this engine runs {type(manager).__name__} "
+        "(use_kv_cache_manager_v2, or 'auto' choosing V2): build it with use_kv_cache_manager_v2='false'"
+    )
 
 
 class LayoutGeometry:

@@ -4,26 +4,20 @@ The manager decides which page holds which tokens; it never touches KV values. P
 engine calls ``allocate``, executes ``take_page_ops()`` in order, runs the forward pass over
 ``block_table(...)`` and reports written tokens with ``commit_tokens``.
 
-Token regions of one sequence (a page holds ``tokens_per_block`` tokens)::
-
-    |<------------- committed (KV written) ------------->|<-- allocated, not committed -->|
-    |<- full blocks: keyed, in the tree ->|<- private ->|   (chunk being computed, drafts)
-    0                                     k*tokens_per_block    n                               num_allocated
-
-Reuse (``add_request``) finds the longest prefix whose blocks are cached in *every* layer
-group, at most ``len(prompt) - 1`` tokens so the last prompt token is always computed and
-yields logits. A full-attention group needs every block of the prefix; a windowed group needs
-only the blocks inside the window of the prefix end, because a token at position p attends to
-positions ``(p - window, p]``. Blocks entirely before that window are released as the
-sequence grows (a windowed layer's memory is bounded by its window, not the sequence) and
-show ``NULL_PAGE`` in the block table.
+Its parts, one concern each: ``sequence`` (the record of one request), ``planning`` (which
+cached blocks a prompt can reuse, ``add_request``'s plan), ``block_pool`` (one layer group's
+pages, tree, tiers and eviction) and ``state`` (snapshots of this manager, read and restored
+through its snapshot API: ``sequences``, ``tick``, ``event_buffer``, ``pending_page_ops``).
+Blocks entirely before a windowed group's window are released as the sequence grows (a
+windowed layer's memory is bounded by its window, not the sequence) and show ``NULL_PAGE``
+in the block table.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvjax.cache import NULL_PAGE, CacheLayout
@@ -36,16 +30,16 @@ from kvjax.manager.hashing import (
     HashedItem,
     MultimodalItem,
     block_key,
-    chain_keys,
     check_token_ids,
     hash_items,
     items_in,
-    pack_ids,
     root_key,
 )
-from kvjax.manager.interface import LayoutGeometry
+from kvjax.manager.interface import LayoutGeometry, OutOfPagesError
+from kvjax.manager.planning import GroupPlan, ReusePlan, first_in_window, fits, plan_reuse
 from kvjax.manager.radix_tree import Block
 from kvjax.manager.retention import block_priority
+from kvjax.manager.sequence import SequenceRecord, committed_ids, prompt_keys
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp, Tier
 
@@ -56,60 +50,6 @@ if TYPE_CHECKING:
 _PROMPT_MEMO_SIZE = 256
 """Prompts whose validation and block keys are remembered: the scheduler asks for the keys,
 then the reusable estimate, then admits, all for one prompt, and each would hash it again."""
-
-
-class OutOfPagesError(RuntimeError):
-    """A layer group's device pool cannot provide the pages a call needs (state unchanged)."""
-
-
-@dataclasses.dataclass(slots=True)
-class _Sequence:
-    """Host state of one request.
-
-    Attributes:
-      prompt: prompt token ids.
-      tokens: committed token ids (prompt prefix, then generated), KV written.
-      num_allocated: tokens with a cache slot (committed + in flight, e.g. drafts).
-      prompt_keys: keys of the full prompt blocks (computed once at add_request).
-      keys: keys of the committed full blocks, in order.
-      blocks: per group, one entry per block index; None = released or never held.
-      first_held: per group, blocks below this index are released (outside the window).
-    """
-
-    request_id: str
-    prompt: tuple[int, ...]
-    retention: KvCacheRetentionConfig
-    cache_salt: str | None
-    lora_id: int | None
-    items: tuple[HashedItem, ...]
-    root: BlockKey
-    prompt_keys: list[BlockKey]
-    tokens: list[int]
-    num_allocated: int
-    keys: list[BlockKey]
-    blocks: list[list[Block | None]]
-    first_held: list[int]
-    stats: RequestStats
-
-
-@dataclasses.dataclass(slots=True)
-class _GroupPlan:
-    first: int
-    """First block index held (blocks before it are outside the window)."""
-    held: list[Block]
-    """Tree blocks ``first .. first + len(held) - 1`` to take a reference on."""
-    source: Block | None = None
-    """Block whose leading tokens fill the partial last block (None: no partial block here)."""
-    in_place: bool = False
-    """Take ``source`` itself instead of copying it (copy_on_partial_reuse off)."""
-
-
-@dataclasses.dataclass(slots=True)
-class _Plan:
-    num_tokens: int
-    num_full_blocks: int
-    partial_tokens: int
-    groups: list[_GroupPlan]
 
 
 class KVCacheManager(LayoutGeometry):
@@ -148,7 +88,7 @@ class KVCacheManager(LayoutGeometry):
         self._events = EventBuffer(config.event_buffer_max_size)
         self._stats = CacheStats()
         self._tick = 0
-        self._sequences: dict[str, _Sequence] = {}
+        self._sequences: dict[str, SequenceRecord] = {}
         self._prompt_memo: dict[tuple, tuple[tuple[int, ...], BlockKey, list[BlockKey]]] = {}
         """(prompt, cache_salt, lora_id) -> (validated prompt, root key, block keys); no mm items."""
         self._roots: dict[tuple[str | None, int | None], BlockKey] = {}
@@ -243,7 +183,7 @@ class KVCacheManager(LayoutGeometry):
         """Tokens ``add_request`` would reuse right now (no side effects)."""
         prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
         plan = self._plan(prompt, keys, root, items)
-        return plan.num_tokens if self._fits(plan) else 0
+        return plan.num_tokens if fits(self.pools, plan) else 0
 
     def reusable_tiers(
         self,
@@ -258,13 +198,7 @@ class KVCacheManager(LayoutGeometry):
         block held in several layer groups counts at its slowest tier."""
         prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
         plan = self._plan(prompt, keys, root, items)
-        if not self._fits(plan):
-            return []
-        slowest = [Tier.DEVICE] * plan.num_full_blocks
-        for gp in plan.groups:
-            for b, block in enumerate(gp.held, start=gp.first):
-                slowest[b] = max(slowest[b], block.tier)
-        return [t.label for t in slowest]
+        return plan.slowest_tiers() if fits(self.pools, plan) else []
 
     def prompt_block_keys(
         self,
@@ -305,8 +239,8 @@ class KVCacheManager(LayoutGeometry):
         prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
         self._expire()
         plan = self._plan(prompt, keys, root, items)
-        if not self._fits(plan):
-            plan = _Plan(0, 0, 0, [_GroupPlan(0, []) for _ in self.pools])
+        if not fits(self.pools, plan):
+            plan = ReusePlan.none(len(self.pools))
         if admit is not None and not admit(plan.num_tokens):
             return None
         stats = RequestStats(
@@ -315,7 +249,7 @@ class KVCacheManager(LayoutGeometry):
             prompt_blocks=len(prompt) // self.tokens_per_block,
             reused_blocks=plan.num_full_blocks,
         )
-        seq = _Sequence(
+        seq = SequenceRecord(
             request_id=request_id,
             prompt=prompt,
             retention=retention,
@@ -413,7 +347,7 @@ class KVCacheManager(LayoutGeometry):
         the window.
         """
         seq = self._seq(request_id)
-        tokens = _committed_ids(seq, token_ids)
+        tokens = committed_ids(seq, token_ids)
         n0 = len(seq.tokens)
         n1 = n0 + len(tokens)
         if n1 > seq.num_allocated:
@@ -437,7 +371,7 @@ class KVCacheManager(LayoutGeometry):
                 self._store_block(seq, b, now)
         for g in self._windowed:
             pool, blocks = self.pools[g], seq.blocks[g]
-            first = min(self._first_in_window(pool, n1), len(blocks))
+            first = min(first_in_window(pool, n1), len(blocks))
             for b in range(seq.first_held[g], first):
                 if blocks[b] is not None:
                     self._tick += 1
@@ -534,6 +468,25 @@ class KVCacheManager(LayoutGeometry):
 
     # ================================================================== snapshots
 
+    @property
+    def sequences(self) -> Mapping[str, SequenceRecord]:
+        """The active requests' records by id (a read-only view; ``kvjax.manager.state``)."""
+        return types.MappingProxyType(self._sequences)
+
+    @property
+    def tick(self) -> int:
+        """Block releases so far: the eviction order's clock."""
+        return self._tick
+
+    @property
+    def event_buffer(self) -> EventBuffer:
+        """The KV cache events not yet drained (``get_kv_cache_events``)."""
+        return self._events
+
+    def pending_page_ops(self) -> list[PageOp]:
+        """The queued page operations, not drained (``take_page_ops`` drains them)."""
+        return list(self._ops)
+
     def state_dict(self) -> dict:
         """The whole host state as JSON-compatible data (see ``kvjax.manager.state``)."""
         return state.state_dict(self)
@@ -554,7 +507,11 @@ class KVCacheManager(LayoutGeometry):
         """
         state.check_header(state_dict)
         mgr = cls(config, layout, clock=clock)
-        state.restore(mgr, state_dict, _Sequence)
+        resumed = state.restore(mgr, state_dict)
+        mgr._sequences.update((seq.request_id, seq) for seq in resumed.sequences)
+        mgr._tick = resumed.tick
+        mgr._ops.extend(resumed.page_ops)
+        state.check_restored(mgr)
         return mgr
 
     def check_consistency(self) -> None:
@@ -563,7 +520,7 @@ class KVCacheManager(LayoutGeometry):
 
     # ================================================================== internals: validation
 
-    def _seq(self, request_id: str) -> _Sequence:
+    def _seq(self, request_id: str) -> SequenceRecord:
         seq = self._sequences.get(request_id)
         if seq is None:
             raise KeyError(f"unknown request_id={request_id!r}; active: {sorted(self._sequences)[:8]}")
@@ -605,7 +562,7 @@ class KVCacheManager(LayoutGeometry):
             raise ValueError(f"len(prompt_token_ids)={len(prompt)} must be in [1, max_seq_len={self.max_seq_len}]")
         items = hash_items(tuple(mm_items), len(prompt)) if mm_items else ()
         root = self._root(cache_salt, lora_id)
-        keys = self._prompt_keys(prompt, items, root)
+        keys = prompt_keys(prompt, items, root, self.tokens_per_block, self.config.enable_block_reuse)
         if memo_key is not None:
             if len(self._prompt_memo) >= _PROMPT_MEMO_SIZE:
                 del self._prompt_memo[next(iter(self._prompt_memo))]
@@ -621,143 +578,15 @@ class KVCacheManager(LayoutGeometry):
 
     # ================================================================== internals: reuse
 
-    def _first_in_window(self, pool: BlockPool, num_tokens: int) -> int:
-        """First block a sequence of ``num_tokens`` committed tokens still needs in ``pool``:
-        the next token (position num_tokens) attends to positions > num_tokens - window."""
-        if pool.tree_rule:
-            return 0
-        return max(0, num_tokens - pool.window + 1) // self.tokens_per_block
-
-    def _prompt_keys(self, prompt: tuple[int, ...], items: tuple[HashedItem, ...], root: BlockKey) -> list[BlockKey]:
-        """Keys of the full prompt blocks (empty with reuse off)."""
-        if not self.config.enable_block_reuse:
-            return []
-        return chain_keys(root, pack_ids(prompt), self.tokens_per_block, items)
-
     def _plan(
         self, prompt: tuple[int, ...], keys: list[BlockKey], root: BlockKey, items: tuple[HashedItem, ...]
-    ) -> _Plan:
-        """The longest prefix every group can provide, and where each group gets it from."""
-        ps = self.tokens_per_block
-        cap = len(prompt) - 1
-        none = _Plan(0, 0, 0, [_GroupPlan(0, []) for _ in self.pools])
-        if not self.config.enable_block_reuse or cap < 1:
-            return none
-        max_full = min(cap // ps, len(keys))
-        present: list[list[Block | None]] = []
-        feasible = [True] * (max_full + 1)
-        for pool in self.pools:
-            hits: list[Block | None] = []
-            missing = [0]
-            parent = root
-            cached = pool.tree.blocks
-            for b, key in enumerate(keys):
-                hit = cached.get(key)  # the digest, then its parent and tokens (a hash collision must not match)
-                if hit is not None and (hit.parent_key != parent or hit.token_ids != prompt[b * ps : (b + 1) * ps]):
-                    hit = None
-                if hit is not None and not pool.intact(hit):
-                    hit = None
-                hits.append(hit)
-                missing.append(missing[-1] + (hit is None))
-                parent = key
-                if hit is None and pool.tree_rule:
-                    hits.extend([None] * (len(keys) - b - 1))
-                    break
-            present.append(hits)
-            for k in range(1, max_full + 1):
-                if feasible[k]:
-                    if pool.tree_rule:
-                        feasible[k] = hits[k - 1] is not None
-                    else:
-                        lo = min(self._first_in_window(pool, k * ps), k)
-                        feasible[k] = missing[k] - missing[lo] == 0
-        snapshots = self.state_snapshots
-        num_full = max(
-            k
-            for k in range(max_full + 1)
-            if feasible[k] and (k == 0 or snapshots is None or snapshots.has(keys[k - 1]))
-        )
-        start = num_full * ps
-        partial = 0
-        sources: list[tuple[Block | None, bool]] = [(None, False)] * len(self.pools)
-        if self.config.enable_partial_reuse and start < cap and snapshots is None:
-            partial = min(ps - 1, cap - start)
-            parent = keys[num_full - 1] if num_full else root
-            wanted = prompt[start : start + partial]
-            for g, pool in enumerate(self.pools):  # the partial block holds position L-1: every window needs it
-                hit = present[g][num_full] if num_full < len(keys) else None
-                source, count = self._partial_source(pool, hit, parent, wanted, items, start)
-                partial = min(partial, count)
-                sources[g] = (source, source is not None and not self.config.copy_on_partial_reuse
-                              and source.tier is Tier.DEVICE)
-                if partial == 0:
-                    break
-        num_tokens = start + partial
-        groups = []
-        for g, pool in enumerate(self.pools):
-            first = min(self._first_in_window(pool, num_tokens), num_full)
-            gp = _GroupPlan(first, present[g][first:num_full])
-            if partial:
-                gp.source, gp.in_place = sources[g]
-            groups.append(gp)
-        return _Plan(num_tokens, num_full, partial, groups)
+    ) -> ReusePlan:
+        """The longest prefix every group can provide now (``kvjax.manager.planning``)."""
+        return plan_reuse(self.pools, self.config, prompt, keys, root, items, self.state_snapshots)
 
-    def _partial_source(
-        self,
-        pool: BlockPool,
-        hit: Block | None,
-        parent: BlockKey,
-        wanted: tuple[int, ...],
-        items: tuple[HashedItem, ...],
-        start: int,
-    ) -> tuple[Block | None, int]:
-        """The cached block sharing the most leading tokens with ``wanted`` (block at ``start``).
-
-        Candidates are the full match of this block if any, else the cached children of the
-        previous block that start with the wanted first token. Without copy_on_partial_reuse a device candidate
-        qualifies only if
-        it can be taken in place (no holder, no children); a host candidate is always copied
-        (onboarded) to a fresh page.
-        """
-        if hit is not None:
-            candidates = [hit]
-        else:  # a useful candidate shares at least the first token
-            candidates = list(pool.tree.children_starting_with(parent, wanted[0]).values()) if wanted else []
-        best: Block | None = None
-        best_count = 0
-        for block in candidates:
-            if not pool.intact(block):
-                continue
-            if (
-                not self.config.copy_on_partial_reuse
-                and block.tier is Tier.DEVICE
-                and not pool.can_take_in_place(block)
-            ):
-                continue
-            count = 0
-            for a, b in zip(wanted, block.token_ids):
-                if a != b:
-                    break
-                count += 1
-            if count and items_in(block.items, start, start + count) != items_in(items, start, start + count):
-                continue
-            if count > best_count or (count == best_count and best is not None and best.tier is not Tier.DEVICE):
-                best, best_count = block, count
-        return best, best_count
-
-    def _fits(self, plan: _Plan) -> bool:
-        """Whether every group has the device pages the plan's onboards and copies need."""
-        for pool, gp in zip(self.pools, plan.groups):
-            need = sum(1 for b in gp.held if b.tier is not Tier.DEVICE)
-            reserved = sum(1 for b in gp.held if b.tier is Tier.DEVICE and b.ref_count == 0)
-            if gp.source is not None:
-                need += not gp.in_place
-                reserved += gp.source.tier is Tier.DEVICE and gp.source.ref_count == 0
-            if need > pool.num_available() - reserved:
-                return False
-        return True
-
-    def _reserve(self, pool: BlockPool, gp: _GroupPlan, plan: _Plan, seq: _Sequence, now: float) -> list[Block | None]:
+    def _reserve(
+        self, pool: BlockPool, gp: GroupPlan, plan: ReusePlan, seq: SequenceRecord, now: float
+    ) -> list[Block | None]:
         """Takes the references (and queues onboards/copies) of one group's part of the plan."""
         for block in gp.held:
             pool.acquire(block)
@@ -780,7 +609,7 @@ class KVCacheManager(LayoutGeometry):
                 blocks.append(block)
         return blocks
 
-    def _set_priority(self, pool: BlockPool, block: Block, seq: _Sequence, b: int, now: float) -> None:
+    def _set_priority(self, pool: BlockPool, block: Block, seq: SequenceRecord, b: int, now: float) -> None:
         priority, duration_ms = block_priority(
             seq.retention, b * self.tokens_per_block, (b + 1) * self.tokens_per_block, len(seq.prompt)
         )
@@ -789,7 +618,7 @@ class KVCacheManager(LayoutGeometry):
         if expiry is not None:
             pool.expiry.push(block)
 
-    def _store_block(self, seq: _Sequence, b: int, now: float) -> None:
+    def _store_block(self, seq: SequenceRecord, b: int, now: float) -> None:
         """Keys full block ``b`` of a sequence and inserts it in every group holding it."""
         ps = self.tokens_per_block
         parent = seq.keys[b - 1] if b else seq.root
@@ -824,25 +653,3 @@ class KVCacheManager(LayoutGeometry):
 
 def _in_tree(block: Block) -> bool:
     return block.key is not None
-
-
-def _committed_ids(seq: _Sequence, token_ids: Sequence[int]) -> tuple[int, ...]:
-    """The ids of a commit as a tuple of ints, validated.
-
-    Ids that repeat the prompt at the sequence's position are the prompt's own (validated by
-    ``add_request``), so only the generated part is checked here; anything else goes through
-    full validation, which names the first bad id.
-    """
-    ids = token_ids if type(token_ids) is tuple else tuple(
-        token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
-    )
-    n0 = len(seq.tokens)
-    head = seq.prompt[n0 : n0 + len(ids)]
-    if ids[: len(head)] == head:
-        if len(ids) == len(head):
-            return head
-        try:
-            return head + check_token_ids(ids[len(head) :], "token_ids")
-        except ValueError:
-            pass
-    return check_token_ids(ids, "token_ids")

@@ -2,23 +2,22 @@
 
 The allocation state of every layer group lives on the device as one ``PageState`` per
 group; this class validates arguments, hashes blocks (the same BLAKE3 chain as the host
-manager, truncated to 64-bit index keys) and calls the pure functions. It answers the calls
-the scheduler and the engine make of ``KVCacheManager`` (``add_request``, ``allocate``,
-``commit_tokens``, ``free_request``, ``block_table``, ...), so the same scheduler drives it,
-and it exposes ``states`` so the engine's on-device decode loop (``kvjax.decode``) can take
+manager, truncated to 64-bit index keys) and calls the pure functions. It implements
+``CacheManager`` (so the same scheduler drives it) and ``DeviceStateManager``: it exposes
+``states`` and ``row_of`` so the engine's on-device decode loop (``kvjax.decode``) can take
 pages without asking the host.
 
-What V2 does not do (the engine refuses ``use_kv_cache_manager_v2='true'`` with them):
-host / disk tiers, KV cache events, retention priorities, speculative decoding, CacheBlend
-chunks, recurrent state. It reuses whole blocks only (no partial-block reuse), and windowed
-layer groups keep every block of a sequence (no release outside the window).
+What V2 does not offer (it is no ``TieredCacheManager``; the engine refuses
+``use_kv_cache_manager_v2='true'`` with them): host / disk tiers, KV cache events, retention
+priorities, speculative decoding, CacheBlend chunks, recurrent state, snapshots. It reuses
+whole blocks only (no partial-block reuse), and windowed layer groups keep every block of a
+sequence (no release outside the window).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +27,7 @@ from kvjax.cache.layout import CacheLayout
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig
 from kvjax.manager import functional as F
 from kvjax.manager.hashing import BlockKey, MultimodalItem, chain_keys, check_token_ids, hash_items, pack_ids, root_key
-from kvjax.manager.interface import LayoutGeometry
-from kvjax.manager.manager import OutOfPagesError
+from kvjax.manager.interface import LayoutGeometry, OutOfPagesError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
 
@@ -73,54 +71,12 @@ class KVCacheManagerV2(LayoutGeometry):
     def max_seqs(self) -> int:
         return self.states[0].max_seqs
 
-    @property
-    def num_host_pages(self) -> int:
-        """0: V2 has no host tier."""
-        return 0
-
-    @property
-    def num_disk_pages(self) -> int:
-        """0: V2 has no disk tier."""
-        return 0
-
     def num_cached_blocks(self, group: int, tier: str = "device") -> int:
         """Indexed (reusable) blocks of ``group`` on ``tier`` ("device", "host" or "disk"; V2
         caches on the device only)."""
         if tier not in ("device", "host", "disk"):
             raise ValueError(f"tier={tier!r} must be 'device', 'host' or 'disk'")
         return int(np.asarray(self.states[group].indexed).sum()) if tier == "device" else 0
-
-    def get_kv_cache_events(self) -> list:
-        """Not in V2: raises ``NotImplementedError`` naming the switch."""
-        _v1_only("get_kv_cache_events", "KV cache events")
-
-    def state_dict(self) -> dict:
-        """Not in V2: raises ``NotImplementedError`` naming the switch."""
-        _v1_only("state_dict", "snapshots of the manager state")
-
-    def clear_cache(self) -> None:
-        """Not in V2: raises ``NotImplementedError`` naming the switch."""
-        _v1_only("clear_cache", "clearing the cache")
-
-    def allocate_drafts(self, request_id: str, num_total_tokens: int) -> int:
-        """Not in V2: raises ``NotImplementedError`` naming the switch."""
-        _v1_only("allocate_drafts", "speculative decoding drafts")
-
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        """Not in V2: raises ``NotImplementedError`` naming the switch."""
-        _v1_only("rollback", "speculative decoding rollbacks")
-
-    def attach_state_snapshots(self, snapshots: object) -> None:
-        """Not in V2: raises ``NotImplementedError`` naming the switch."""
-        _v1_only("attach_state_snapshots", "recurrent-state snapshots (hybrid models)")
-
-    def attach_disk_check(self, check: object) -> None:
-        """Not in V2: raises ``NotImplementedError`` naming the switch."""
-        _v1_only("attach_disk_check", "disk tiers")
-
-    def drop_lost_disk_blocks(self) -> int:
-        """0: V2 has no disk tier."""
-        return 0
 
     @property
     def stats(self) -> CacheStats:
@@ -324,10 +280,3 @@ class KVCacheManagerV2(LayoutGeometry):
 
 
 __all__ = ["KVCacheManagerV2"]
-
-
-def _v1_only(call: str, feature: str) -> NoReturn:
-    raise NotImplementedError(
-        f"{call}: {feature} are not supported by Manager V2 (use_kv_cache_manager_v2, or 'auto' choosing V2 for this "
-        "engine); build the engine with KvCacheConfig(use_kv_cache_manager_v2='false') to use them"
-    )

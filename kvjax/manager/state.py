@@ -3,14 +3,16 @@ and its invariants.
 
 ``state_dict`` returns JSON-compatible Python (dicts, lists, str, int, float, bool, None):
 keys and digests as hex strings, retention expiries as seconds *remaining* (the clock is
-process-local). ``check_header`` and ``restore`` (called by ``KVCacheManager.from_state_dict``,
-which builds the manager they fill) refuse a snapshot whose format version, configuration or
-layout differ, or whose contents break an invariant, with an error naming what is wrong.
+process-local). ``check_header``, ``restore`` and ``check_restored`` (called by
+``KVCacheManager.from_state_dict``, which builds the manager, installs what ``restore``
+returns and checks it) refuse a snapshot whose format version, configuration or layout
+differ, or whose contents break an invariant, with an error naming what is wrong.
 ``check_consistency`` is the invariant check shared by restore and tests.
 
-This module reads the manager's fields but never imports ``kvjax.manager.manager`` at run
-time (the manager imports it): the manager's type is named for annotations only, and the
-sequence record's class is passed in.
+This module reads the manager through its snapshot API (``sequences``, ``tick``,
+``event_buffer``, ``pending_page_ops``, ``pools``) and never imports
+``kvjax.manager.manager`` at run time (the manager imports it): the manager's type is named
+for annotations only.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.manager.events import KVCacheEvent
-from kvjax.manager.hashing import HashedItem, InternalScope
+from kvjax.manager.hashing import HashedItem, InternalScope, root_key
 from kvjax.manager.radix_tree import Block
+from kvjax.manager.sequence import SequenceRecord, prompt_keys
 from kvjax.manager.stats import RequestStats
 from kvjax.manager.tiers import PageOp, Tier
 
@@ -38,6 +41,16 @@ class SnapshotError(ValueError):
 
 class ConsistencyError(RuntimeError):
     """The manager's bookkeeping broke an invariant (a bug, or a damaged snapshot)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What ``restore`` hands back for the manager to install: its active requests, its
+    release clock and its queued page operations."""
+
+    sequences: list[SequenceRecord]
+    tick: int
+    page_ops: list[PageOp]
 
 
 def _layout(mgr: KVCacheManager) -> dict[str, Any]:
@@ -98,7 +111,7 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
             }
         )
     sequences = []
-    for seq in mgr._sequences.values():
+    for seq in mgr.sequences.values():
         per_group = []
         for g, blocks in enumerate(seq.blocks):
             per_group.append(
@@ -128,15 +141,15 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
                 "stats": dataclasses.asdict(seq.stats),
             }
         )
-    events = mgr._events
+    events = mgr.event_buffer
     return {
         "format_version": FORMAT_VERSION,
         "config": mgr.config.content_fields(),
         "layout": _layout(mgr),
-        "tick": mgr._tick,
+        "tick": mgr.tick,
         "pools": pools,
         "sequences": sequences,
-        "page_ops": [op._asdict() for op in mgr._ops],
+        "page_ops": [op._asdict() for op in mgr.pending_page_ops()],
         "events": {
             "next_id": events.next_id,
             "num_dropped": events.num_dropped,
@@ -168,9 +181,14 @@ def check_header(state: dict[str, Any]) -> None:
         )
 
 
-def restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> None:
-    """Fills a new, empty manager from ``state_dict`` output (see ``KVCacheManager.from_state_dict``);
-    ``sequence_cls`` is the manager's per-request record."""
+def restore(mgr: KVCacheManager, state: dict[str, Any]) -> Resumed:
+    """Fills a new, empty manager's pools, events and counters from ``state_dict`` output and
+    returns its requests, clock and page operations for it to install (see
+    ``KVCacheManager.from_state_dict``, which then calls ``check_restored``).
+
+    Raises:
+      SnapshotError: another format version, config or layout, or damaged contents.
+    """
     check_header(state)
     want = mgr.config.content_fields()
     got = state.get("config")
@@ -183,16 +201,21 @@ def restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> N
     if state.get("layout") != _layout(mgr):
         raise SnapshotError(f"snapshot layout {state.get('layout')!r} differs from this manager's {_layout(mgr)!r}")
     try:
-        _restore(mgr, state, sequence_cls)
+        return _restore(mgr, state)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
         raise SnapshotError(f"snapshot is damaged: {type(err).__name__}: {err}") from err
+
+
+def check_restored(mgr: KVCacheManager) -> None:
+    """``check_consistency`` of a manager just restored; a broken invariant is a damaged
+    snapshot (``SnapshotError``)."""
     try:
         check_consistency(mgr)
     except ConsistencyError as err:
         raise SnapshotError(f"snapshot is damaged: {err}") from err
 
 
-def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> None:
+def _restore(mgr: KVCacheManager, state: dict[str, Any]) -> Resumed:
     now = mgr.clock()
     if len(state["pools"]) != len(mgr.pools):
         raise ValueError(f"{len(state['pools'])} pools in the snapshot, {len(mgr.pools)} layer groups here")
@@ -231,6 +254,7 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
             for i in saved[name]:
                 queue.push(blocks[i])
         all_blocks.append(blocks)
+    sequences = []
     for row in state["sequences"]:
         prompt = tuple(int(t) for t in row["prompt"])
         items = _load_items(row["items"])
@@ -241,7 +265,7 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
         retention["token_range_retention_configs"] = tuple(
             TokenRangeRetentionConfig(**r) for r in retention["token_range_retention_configs"]
         )
-        root = mgr._root(cache_salt, lora_id)
+        root = root_key(cache_salt, lora_id)
         per_group = []
         for g, entries in enumerate(row["blocks"]):
             blocks = []
@@ -253,7 +277,7 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
                 else:
                     blocks.append(Block(page=int(entry["private"]), ref_count=1))
             per_group.append(blocks)
-        seq = sequence_cls(
+        sequences.append(SequenceRecord(
             request_id=str(row["request_id"]),
             prompt=prompt,
             retention=KvCacheRetentionConfig(**retention),
@@ -261,28 +285,29 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any], sequence_cls: type) -> 
             lora_id=lora_id,
             items=items,
             root=root,
-            prompt_keys=mgr._prompt_keys(prompt, items, root),
+            prompt_keys=prompt_keys(prompt, items, root, mgr.tokens_per_block, mgr.config.enable_block_reuse),
             tokens=[int(t) for t in row["tokens"]],
             num_allocated=int(row["num_allocated"]),
             keys=[bytes.fromhex(k) for k in row["keys"]],
             blocks=per_group,
             first_held=[int(f) for f in row["first_held"]],
             stats=RequestStats(**row["stats"]),
-        )
-        mgr._sequences[seq.request_id] = seq
-    mgr._tick = int(state["tick"])
-    mgr._ops.extend(PageOp(**op) for op in state["page_ops"])
+        ))
     events = state["events"]
-    mgr._events.next_id = int(events["next_id"])
-    mgr._events.num_dropped = int(events["num_dropped"])
-    for e in events["pending"]:
-        fields = dict(e, block_key=_unhex(e["block_key"]), parent_key=_unhex(e["parent_key"]),
-                      token_ids=tuple(e["token_ids"]), mm_ids=tuple(e["mm_ids"]))
-        mgr._events._events.append(KVCacheEvent(**fields))
+    mgr.event_buffer.load(
+        int(events["next_id"]),
+        int(events["num_dropped"]),
+        [
+            KVCacheEvent(**dict(e, block_key=_unhex(e["block_key"]), parent_key=_unhex(e["parent_key"]),
+                                token_ids=tuple(e["token_ids"]), mm_ids=tuple(e["mm_ids"])))
+            for e in events["pending"]
+        ],
+    )
     for name, value in state["stats"].items():
         if not hasattr(mgr.stats, name):
             raise KeyError(f"unknown stats field {name!r}")
         setattr(mgr.stats, name, int(value))
+    return Resumed(sequences, int(state["tick"]), [PageOp(**op) for op in state["page_ops"]])
 
 
 def check_consistency(mgr: KVCacheManager) -> None:
@@ -303,7 +328,7 @@ def check_consistency(mgr: KVCacheManager) -> None:
     for g, pool in enumerate(mgr.pools):
         holders: dict[int, int] = {}
         private: list[Block] = []
-        for seq in mgr._sequences.values():
+        for seq in mgr.sequences.values():
             for b in seq.blocks[g]:
                 if b is None:
                     continue
@@ -355,7 +380,7 @@ def check_consistency(mgr: KVCacheManager) -> None:
             fail(f"group {g}: num_free_cached={pool.num_free_cached}, counted {num_free_cached}")
         if (len(pool.device_queue), len(pool.host_queue), len(pool.disk_queue)) != tuple(evictable.values()):
             fail(f"group {g}: eviction queue sizes do not match the evictable blocks")
-    for seq in mgr._sequences.values():
+    for seq in mgr.sequences.values():
         n = len(seq.tokens)
         if not n <= seq.num_allocated <= mgr.max_seq_len:
             fail(f"{seq.request_id!r}: committed {n} > allocated {seq.num_allocated} or beyond max_seq_len")
@@ -372,7 +397,7 @@ def check_consistency(mgr: KVCacheManager) -> None:
     stats = mgr.stats
     if not (0 <= stats.reused_tokens <= stats.prompt_tokens and 0 <= stats.reused_blocks <= stats.prompt_blocks):
         fail(f"stats: reused counts exceed prompt counts: {stats}")
-    for seq in mgr._sequences.values():
+    for seq in mgr.sequences.values():
         if seq.stats.reused_tokens > seq.stats.prompt_tokens - 1:
             fail(f"{seq.request_id!r}: reused {seq.stats.reused_tokens} of {seq.stats.prompt_tokens} prompt tokens")
 
@@ -380,9 +405,11 @@ def check_consistency(mgr: KVCacheManager) -> None:
 __all__ = [
     "FORMAT_VERSION",
     "ConsistencyError",
+    "Resumed",
     "SnapshotError",
     "check_consistency",
     "check_header",
+    "check_restored",
     "restore",
     "state_dict",
 ]

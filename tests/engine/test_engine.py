@@ -10,6 +10,8 @@ import pytest
 
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import MIN_TABLE_WIDTH, Engine, table_width
+from kvjax.manager import KVCacheManager
+from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, return_logits=True)
@@ -151,8 +153,8 @@ def test_forced_manager_v2_is_a_clear_error(smollm2):
 
     with pytest.raises(ConfigError, match="use_kv_cache_manager_v2='true' is not supported with .*host_cache_size"):
         make_engine(smollm2, use_kv_cache_manager_v2=True, host_cache_size=1 << 20)
-    assert not make_engine(smollm2, use_kv_cache_manager_v2="auto").uses_manager_v2
-    assert make_engine(smollm2, use_kv_cache_manager_v2=True).uses_manager_v2
+    assert isinstance(make_engine(smollm2, use_kv_cache_manager_v2="auto").manager, KVCacheManager)
+    assert isinstance(make_engine(smollm2, use_kv_cache_manager_v2=True).manager, KVCacheManagerV2)
 
 
 def test_prompt_logits_are_the_computed_rows_of_the_last_prompt_positions(smollm2, reference_text):

@@ -11,6 +11,7 @@ import pytest
 
 from kvjax.config import ConfigError, KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
+from kvjax.manager import TieredCacheManager
 from kvjax.model.registry import Model
 from kvjax.sampling import SamplingParams
 from kvjax.testing.tiny import tiny_model
@@ -280,11 +281,9 @@ def test_v2_engines_name_what_they_do_not_support(model):
     # 12 of 13 tokens
     assert engine.manager.num_cached_blocks(0) == 3 and engine.manager.num_cached_blocks(0, "host") == 0
     assert engine.manager.group_windows == engine.layout.group_windows
-    with pytest.raises(
-        NotImplementedError, match=r"KV cache events are not supported by Manager V2 \(use_kv_cache_manager_v2"
-    ):
-        engine.manager.get_kv_cache_events()
-    with pytest.raises(ValueError, match=r"a ChunkStore needs the V1 manager: .*use_kv_cache_manager_v2='false'"):
+    assert not isinstance(engine.manager, TieredCacheManager) and not hasattr(engine.manager, "get_kv_cache_events")
+    with pytest.raises(ValueError, match=r"a ChunkStore \(CacheBlend chunks\)"
+                       r" needs the V1 manager .*KVCacheManagerV2 .*use_kv_cache_manager_v2='false'"):
         ChunkStore(engine, variant="pos0")
     assert engine.generate([PROMPTS[0]], GREEDY)[0].output == out.output
 

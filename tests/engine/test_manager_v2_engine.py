@@ -11,6 +11,8 @@ import pytest
 
 from kvjax.config import ConfigError, KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, SpeculativeConfig
 from kvjax.engine import Engine
+from kvjax.manager import KVCacheManager
+from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.model.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.testing.tiny import init_params, tiny_hybrid_config, tiny_model
@@ -41,7 +43,7 @@ def test_v2_greedy_equals_v1_with_multi_step_dispatch(tiny):
     v1 = outputs(engine(tiny, "false"), PROMPTS, greedy)
     for steps in (1, 8):
         e = engine(tiny, "true", steps=steps)
-        assert e.uses_manager_v2
+        assert isinstance(e.manager, KVCacheManagerV2) and e.device_decode is not None
         assert outputs(e, PROMPTS, greedy) == v1
         assert e.timings["decode_dispatches"] > 0
         assert e.timings["decode_steps"] <= e.timings["decode_dispatches"] * steps
@@ -93,12 +95,12 @@ def test_running_out_of_pages_mid_dispatch_preempts_and_keeps_outputs(tiny):
 
 
 def test_auto_follows_the_model_preference(tiny):
-    assert not engine(tiny, "auto").uses_manager_v2
-    assert not engine(tiny, "false").uses_manager_v2
+    assert isinstance(engine(tiny, "auto").manager, KVCacheManager)
+    assert isinstance(engine(tiny, "false").manager, KVCacheManager)
     prefers = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, prefers_kv_cache_manager_v2=True))
-    assert engine(prefers, "auto").uses_manager_v2
-    assert not engine(prefers, "false").uses_manager_v2
-    assert not engine(prefers, "auto", host_cache_size=1 << 16).uses_manager_v2  # needs V1: falls back
+    assert isinstance(engine(prefers, "auto").manager, KVCacheManagerV2)
+    assert isinstance(engine(prefers, "false").manager, KVCacheManager)
+    assert isinstance(engine(prefers, "auto", host_cache_size=1 << 16).manager, KVCacheManager)  # needs V1: falls back
 
 
 @pytest.mark.parametrize(
@@ -127,7 +129,8 @@ def test_true_with_speculation_or_recurrent_layers_is_a_config_error(tiny):
 def test_v1_only_request_features_are_refused_at_submit(tiny):
     e = engine(tiny, "true")
     retention = KvCacheRetentionConfig(decode_retention_priority=80)
-    with pytest.raises(ValueError, match="retention: per-request retention priorities need the V1 manager"):
+    with pytest.raises(ValueError, match=r"retention \(per-request retention priorities\)"
+                       r" needs the V1 manager .*KVCacheManagerV2 .*use_kv_cache_manager_v2='false'"):
         e.submit(PROMPTS[0], retention=retention)
     assert not e.has_work
     e.submit(PROMPTS[0], retention=KvCacheRetentionConfig())  # the default policy is fine
@@ -175,6 +178,6 @@ def test_gemma3_two_layer_groups_v2_equals_v1(reference_text):
     for v2 in ("false", "true", "auto"):
         config = KvCacheConfig(tokens_per_block=32, max_tokens=8192, use_kv_cache_manager_v2=v2)
         e = Engine(gemma, config, SchedulerConfig(num_decode_steps_per_dispatch=16), max_seq_len=1024)
-        assert e.layout.num_groups == 2 and e.uses_manager_v2 == (v2 == "true")
+        assert e.layout.num_groups == 2 and isinstance(e.manager, KVCacheManagerV2) == (v2 == "true")
         got[v2] = outputs(e, prompts, greedy)
     assert got["true"] == got["false"] == got["auto"]

@@ -1,5 +1,6 @@
-"""Both managers implement ``CacheManager`` with the Protocol's own signatures, and V2 refuses
-the V1-only features naming the switch."""
+"""Both managers implement ``CacheManager`` with the Protocol's own signatures, each implements
+its extension in full, and no member of any Protocol is left to raise: a feature V2 does not
+offer is refused by ``require_tiered`` naming the feature and the switch."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import pytest
 
 from kvjax.cache import CacheLayout
 from kvjax.config import KvCacheConfig
-from kvjax.manager import CacheManager, KVCacheManager
+from kvjax.manager import CacheManager, DeviceStateManager, KVCacheManager, TieredCacheManager, require_tiered
 from kvjax.manager.manager_v2 import KVCacheManagerV2
-
-MEMBERS = [name for name in dir(CacheManager) if not name.startswith("_")]
 
 
 def _layout() -> CacheLayout:
@@ -20,10 +19,22 @@ def _layout() -> CacheLayout:
                        max_seq_len=64)
 
 
-@pytest.mark.parametrize("cls", [KVCacheManager, KVCacheManagerV2])
-def test_each_manager_has_every_member_with_the_protocols_signature(cls):
-    for name in MEMBERS:
-        mine, theirs = getattr(cls, name), getattr(CacheManager, name)
+def _members(protocol: type) -> list[str]:
+    return [name for name in dir(protocol) if not name.startswith("_")]
+
+
+def _managers() -> tuple[KVCacheManager, KVCacheManagerV2]:
+    config = KvCacheConfig(tokens_per_block=4)
+    return KVCacheManager(config, _layout()), KVCacheManagerV2(config, _layout(), 2)
+
+
+@pytest.mark.parametrize(
+    ("cls", "protocol"),
+    [(KVCacheManager, CacheManager), (KVCacheManager, TieredCacheManager), (KVCacheManagerV2, CacheManager)],
+)
+def test_each_manager_has_every_member_with_the_protocols_signature(cls, protocol):
+    for name in _members(protocol):
+        mine, theirs = getattr(cls, name), getattr(protocol, name)
         if isinstance(theirs, property):
             assert isinstance(mine, property), f"{cls.__name__}.{name} must be a property"
             continue
@@ -31,13 +42,23 @@ def test_each_manager_has_every_member_with_the_protocols_signature(cls):
         assert list(inspect.signature(mine).parameters) == want, f"{cls.__name__}.{name}"
 
 
-def test_v2_refuses_v1_only_features_naming_the_switch():
-    v2 = KVCacheManagerV2(KvCacheConfig(tokens_per_block=4), _layout(), 2)
-    assert isinstance(v2, CacheManager) and isinstance(
-        KVCacheManager(KvCacheConfig(tokens_per_block=4), _layout()), CacheManager
-    )
-    for call in (lambda: v2.rollback("r", 1), lambda: v2.allocate_drafts("r", 4), v2.get_kv_cache_events,
-                 v2.state_dict, v2.clear_cache, lambda: v2.attach_disk_check(lambda g, p: True)):
-        with pytest.raises(NotImplementedError, match=r"not supported by Manager V2 \(use_kv_cache_manager_v2"):
-            call()
-    assert v2.drop_lost_disk_blocks() == 0 and v2.num_cached_blocks(0, "disk") == 0
+def test_each_manager_offers_exactly_its_extension():
+    v1, v2 = _managers()
+    assert isinstance(v1, CacheManager) and isinstance(v2, CacheManager)
+    assert isinstance(v1, TieredCacheManager) and not isinstance(v1, DeviceStateManager)
+    assert isinstance(v2, DeviceStateManager) and not isinstance(v2, TieredCacheManager)
+    assert v2.row_of is not None and len(v2.states) == v2.layout.num_groups
+
+
+def test_no_manager_member_raises_not_implemented():
+    for cls in (KVCacheManager, KVCacheManagerV2):
+        for name, member in inspect.getmembers(cls, inspect.isfunction):
+            assert "NotImplementedError" not in inspect.getsource(member), f"{cls.__name__}.{name}"
+
+
+def test_a_tiered_feature_on_v2_is_refused_naming_the_feature_and_the_switch():
+    v1, v2 = _managers()
+    assert require_tiered(v1, "speculative decoding") is v1
+    with pytest.raises(ValueError, match=r"^speculative decoding needs the V1 manager .*KVCacheManagerV2 .*"
+                                         r"use_kv_cache_manager_v2='false'$"):
+        require_tiered(v2, "speculative decoding")

@@ -74,7 +74,7 @@ class CacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ simulated engine
 
     def _kv(self, rid: str, pos: int):
-        seq = self.mgr._sequences[rid]
+        seq = self.mgr.sequences[rid]
         return (seq.root, tuple(seq.tokens[: pos + 1]))
 
     def _execute_ops(self) -> None:
@@ -91,13 +91,13 @@ class CacheMachine(RuleBasedStateMachine):
                 self.device[op.group][op.dst] = list(self.device[op.group][op.src])
 
     def _live(self):
-        return list(self.mgr._sequences)
+        return list(self.mgr.sequences)
 
     # ------------------------------------------------------------------ rules
 
     def _write_and_commit(self, rid: str, tokens: list[int]) -> None:
         """The forward pass writes the new tokens' KV through the block table, then commits."""
-        seq = self.mgr._sequences[rid]
+        seq = self.mgr.sequences[rid]
         n0 = len(seq.tokens)
         everything = seq.tokens + tokens
         for g in range(len(self.mgr.pools)):
@@ -145,28 +145,28 @@ class CacheMachine(RuleBasedStateMachine):
         if not self._allocate(rid, len(prompt)):
             self.mgr.free_request(rid)
             return
-        seq = self.mgr._sequences[rid]
+        seq = self.mgr.sequences[rid]
         while chunk is not None and len(seq.tokens) < len(prompt):
             n0 = len(seq.tokens)
             self._write_and_commit(rid, prompt[n0 : n0 + chunk])
 
-    @precondition(lambda self: any(len(s.tokens) < len(s.prompt) for s in self.mgr._sequences.values()))
+    @precondition(lambda self: any(len(s.tokens) < len(s.prompt) for s in self.mgr.sequences.values()))
     @rule(data=st.data())
     def prefill_chunk(self, data):
-        rid = data.draw(st.sampled_from([r for r, s in self.mgr._sequences.items() if len(s.tokens) < len(s.prompt)]))
-        seq = self.mgr._sequences[rid]
+        rid = data.draw(st.sampled_from([r for r, s in self.mgr.sequences.items() if len(s.tokens) < len(s.prompt)]))
+        seq = self.mgr.sequences[rid]
         n0 = len(seq.tokens)
         if seq.num_allocated == n0 and not self._allocate(rid, len(seq.prompt)):
             return
         k = data.draw(st.integers(1, min(seq.num_allocated, len(seq.prompt)) - n0))
         self._write_and_commit(rid, list(seq.prompt[n0 : n0 + k]))
 
-    @precondition(lambda self: any(len(s.tokens) >= len(s.prompt) for s in self.mgr._sequences.values()))
+    @precondition(lambda self: any(len(s.tokens) >= len(s.prompt) for s in self.mgr.sequences.values()))
     @rule(data=st.data(), drafts=st.integers(0, 4), token=st.integers(0, 2))
     def decode(self, data, drafts, token):
         """One target token plus ``drafts`` draft tokens; a random number are accepted."""
-        rid = data.draw(st.sampled_from([r for r, s in self.mgr._sequences.items() if len(s.tokens) >= len(s.prompt)]))
-        seq = self.mgr._sequences[rid]
+        rid = data.draw(st.sampled_from([r for r, s in self.mgr.sequences.items() if len(s.tokens) >= len(s.prompt)]))
+        seq = self.mgr.sequences[rid]
         n0 = len(seq.tokens)
         if n0 >= MAX_LEN or not self._allocate(rid, n0 + 1 + drafts):
             return
@@ -174,20 +174,20 @@ class CacheMachine(RuleBasedStateMachine):
         self._write_and_commit(rid, [token] * accepted)
         self.mgr.rollback(rid, seq.num_allocated - len(seq.tokens))
 
-    @precondition(lambda self: self.mgr._sequences)
+    @precondition(lambda self: self.mgr.sequences)
     @rule(data=st.data(), extra=st.integers(0, 12))
     def allocate(self, data, extra):
         rid = data.draw(st.sampled_from(self._live()))
-        self._allocate(rid, self.mgr._sequences[rid].num_allocated + extra)
+        self._allocate(rid, self.mgr.sequences[rid].num_allocated + extra)
 
-    @precondition(lambda self: self.mgr._sequences)
+    @precondition(lambda self: self.mgr.sequences)
     @rule(data=st.data())
     def rollback(self, data):
         rid = data.draw(st.sampled_from(self._live()))
-        seq = self.mgr._sequences[rid]
+        seq = self.mgr.sequences[rid]
         self.mgr.rollback(rid, data.draw(st.integers(0, seq.num_allocated - len(seq.tokens))))
 
-    @precondition(lambda self: self.mgr._sequences)
+    @precondition(lambda self: self.mgr.sequences)
     @rule(data=st.data())
     def free(self, data):
         self.mgr.free_request(data.draw(st.sampled_from(self._live())))
@@ -196,7 +196,7 @@ class CacheMachine(RuleBasedStateMachine):
     def tick(self, seconds):
         self.clock.now += seconds
 
-    @precondition(lambda self: not self.mgr._sequences)
+    @precondition(lambda self: not self.mgr.sequences)
     @rule()
     def clear(self):
         self.mgr.clear_cache()
@@ -210,7 +210,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def held_pages_hold_the_requests_kv(self):
-        for rid, seq in self.mgr._sequences.items():
+        for rid, seq in self.mgr.sequences.items():
             for g, blocks in enumerate(seq.blocks):
                 for b, block in enumerate(blocks):
                     if block is None:
@@ -231,7 +231,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert s.reused_tokens <= s.prompt_tokens and s.reused_blocks <= s.prompt_blocks
         assert s.device_evictions >= s.offloaded_pages >= 0 and s.host_evictions >= s.spilled_pages >= 0
         assert s.onboarded_pages >= s.disk_onboarded_pages >= 0
-        for seq in self.mgr._sequences.values():
+        for seq in self.mgr.sequences.values():
             assert seq.stats.reused_tokens < max(seq.stats.prompt_tokens, 1)
 
 
