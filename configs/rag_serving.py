@@ -3,7 +3,8 @@ real engine through a finite device cache, eviction and host/disk tiers (``exper
 
     python -m experiments.run --config=configs/rag_serving.py
     python -m experiments.run --config=configs/rag_serving.py --config.cache.device_tokens=16384
-    python -m experiments.run --config=configs/rag_serving.py:long  # 1,000 queries
+    python -m experiments.run --config=configs/rag_serving.py:long --workdir=<folder> \
+        --config.piece.max_runs=1 --config.piece.commit=true  # 1,000 queries, one run per piece (~40 min)
     python -m experiments.run --config=configs/rag_serving.py:tiny  # smoke run (a minute)
 """
 
@@ -67,6 +68,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.serving.warmup_queries = 80  # queries before the steady-state table starts
     # the blended runs' block traces are replayed through the manager alone at these multiples of the device cache
     config.replay_device_scales = (0.5, 1.0, 2.0, 4.0)
+    config.piece = ml_collections.ConfigDict()  # a long stream in pieces: each serves runs not yet in the workdir
+    config.piece.max_runs = 0  # runs served by this invocation (0 = every run left); the summary waits for all
+    config.piece.commit = False  # commit the run folder to git as each run ends (a run kept under docs/results/)
     if preset == "long":
         config.runs = ("no_reuse/lru/device", "prefix/priority_lru/host", "cacheblend/priority_lru/disk",
                        "cacheblend_auto/priority_lru/disk")

@@ -16,9 +16,10 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import report
+from experiments.blender import FULL_RECOMPUTE, Blender
 from kvjax.blend import selection
-from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.model.registry import Model, load_model

@@ -16,11 +16,12 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import report, timing
+from experiments.blender import FULL_RECOMPUTE, Blender, PolicyRun
 from experiments.workloads import rag
 from kvjax import metrics
-from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt, PolicyRun
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.loading_controller import LoadingController, RecomputeCost, TierSpec, measure_recompute, measure_tier
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.blend.selection import SelectionConfig, row_capacity
 from kvjax.cache import TierThrottle
 from kvjax.config import KvCacheConfig, SchedulerConfig

@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import pathlib
-import subprocess
 import time
 
 import jax
@@ -89,34 +88,6 @@ def _meta(setup: ev.Setup, controller, n_mean: float, ratio: float, tier_rows: l
             "num_split_chunks": setup.num_split_chunks, "max_chunk_tokens": setup.max_chunk_tokens}
 
 
-def _commit(workdir: pathlib.Path, message: str) -> None:
-    """Commits ``workdir``'s files (nothing else) to the git repository holding it.
-
-    Raises:
-      RuntimeError: ``workdir`` is not inside a git work tree, or git failed (its message).
-    """
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=workdir, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"piece.commit: git {' '.join(args)} failed in {workdir}: {done.stderr.strip()}")
-        return done.stdout.strip()
-
-    git("add", "--", ".")
-    git("commit", "--quiet", "-m", message, "--", ".")
-
-
-def _head() -> str:
-    """The checked-out commit of the code (``+dirty`` when tracked files differ), or "unknown"."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-    if head.returncode:
-        return "unknown"
-    dirty = subprocess.run(
-        ["git", "diff", "--quiet", "HEAD", "--", "kvjax", "experiments", "configs", "pallas_kernels"], cwd=root
-    ).returncode
-    return head.stdout.strip() + ("+dirty" if dirty else "")
-
-
 def _check_piece(config: ml_collections.ConfigDict) -> None:
     for field in ("max_prompts", "max_minutes"):
         value = config.piece[field]
@@ -128,7 +99,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     """Runs one piece of the experiment (or all of it), resuming from the records in
     ``workdir``; writes tables, plots and summary.md from every record the folder holds."""
     _check_piece(config)
-    started, code = time.perf_counter(), _head()
+    started, code = time.perf_counter(), report.code_commit()
     compiles = compile_counter()
     compile_start = dataclasses.replace(compiles)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +194,8 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     report.write_json(workdir / "results.json", results)  # in the piece's commit (run.py writes the same again)
     if config.piece.commit:
         total = len(read_lines(workdir / RECORDS))
-        _commit(workdir, f"Results: {config.experiment} {workdir.name}, piece {piece['piece']} ({len(scored)} prompts, "
-                         f"{total} of {config.num_prompts}) on {piece['machine']['cpu']} at "
-                         f"{piece['machine']['matmul_2048_gflops']:.0f} GFLOP/s, code {piece['code']}")
+        report.commit_folder(
+            workdir, f"Results: {config.experiment} {workdir.name}, piece {piece['piece']} ({len(scored)} prompts, "
+                     f"{total} of {config.num_prompts}) on {piece['machine']['cpu']} at "
+                     f"{piece['machine']['matmul_2048_gflops']:.0f} GFLOP/s, code {piece['code']}")
     return results

@@ -28,14 +28,16 @@ from collections.abc import Sequence
 import ml_collections
 import numpy as np
 
+from experiments import statistics
+from experiments.blender import FULL_RECOMPUTE, Blender, Extension, PolicyRun
 from experiments.policies import POLICIES
 from experiments.timing import compilations_during
 from experiments.workloads import WORKLOADS, gold_scores, gold_targets
 from experiments.workloads.rag import RagExample
 from kvjax import metrics
-from kvjax.blend import loading_controller, scorer, selection
-from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt, Extension, PolicyRun
+from kvjax.blend import loading_controller, scorer, scoring, selection
 from kvjax.blend.chunk_store import ChunkStore
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.cache import TierThrottle
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine, RequestOutput
@@ -516,7 +518,7 @@ def train_learned(
     weights = scorer.train_scorer(data, hidden=config.learned.hidden, steps=config.learned.steps,
                                   learning_rate=config.learned.learning_rate, seed=config.seed)
     x = data.features
-    rules = {"learned": np.asarray(selection.mlp_score(weights, x)), "key_deviation": x[:, 0],
+    rules = {"learned": np.asarray(scoring.mlp_score(weights, x)), "key_deviation": x[:, 0],
              "kv_deviation": np.exp(x[:, 0]) + np.exp(x[:, 1]), "attention": x[:, 2],
              "fused": np.exp(x[:, 2]) + (np.exp(x[:, 0]) + np.exp(x[:, 1])) / 2, "first_tokens": -x[:, 3]}
     info = {"train_prompts": len(roles), "train_tokens": len(x),
@@ -558,7 +560,7 @@ def ci_row(name: str, per_prompt: list[dict], nboot: int, seed: int, **extra: ob
     row: dict = {"policy": name, **extra}
     for key in ("kl", "top1", "answer_agree", LIKELIHOOD, *GOLD_KEYS, "flop_fraction"):
         if key in per_prompt[0]:
-            mean, lo, hi = metrics.bootstrap_ci([p[key] for p in per_prompt], num=nboot, seed=seed)
+            mean, lo, hi = statistics.bootstrap_ci([p[key] for p in per_prompt], num=nboot, seed=seed)
             row[key], row[f"{key}_lo"], row[f"{key}_hi"] = mean, lo, hi
     if "recall_vs_oracle" in per_prompt[0]:
         row["recall_vs_oracle"] = float(np.mean([p["recall_vs_oracle"] for p in per_prompt]))
@@ -571,7 +573,7 @@ def speed_row(per_prompt: list[dict], full: list[dict], nboot: int, seed: int) -
     and the time fraction (its inverse)."""
     t = np.asarray([p["ttft_s"] for p in per_prompt])
     f = np.asarray([p["ttft_s"] for p in full])
-    speedup, lo, hi = metrics.bootstrap_statistic(
+    speedup, lo, hi = statistics.bootstrap_statistic(
         (f, t), lambda a, b: a.mean(axis=-1) / b.mean(axis=-1), num=nboot, seed=seed
     )
     return {"ttft_mean_s": float(t.mean()), "ttft_median_s": float(np.median(t)), "speedup": speedup, "speedup_lo": lo,
@@ -597,7 +599,7 @@ def paired_rows(
             continue
         for key in keys:
             if key in results[0]:
-                mean, lo, hi = metrics.paired_bootstrap_ci(
+                mean, lo, hi = statistics.paired_bootstrap_ci(
                     [p[key] for p in results], [p[key] for p in per_policy[baseline]], num=nboot, seed=seed
                 )
                 tol = TOLERANCE.get(key, DEFAULT_TOLERANCE)
@@ -632,13 +634,13 @@ def recovery(per_policy: dict[str, list[dict]], nboot: int, seed: int, key: str 
         return {}
     f = np.asarray([p[key] for p in full])
     r = np.asarray([p[key] for p in reuse])
-    loss, lo, hi = metrics.paired_bootstrap_ci(r, f, num=nboot, seed=seed)
+    loss, lo, hi = statistics.paired_bootstrap_ci(r, f, num=nboot, seed=seed)
     shares = {}
     for name, results in per_policy.items():
         if name in ("full_recompute", "full_reuse", "prefix_caching"):
             continue
         s = np.asarray([p[key] for p in results])
-        shares[name] = metrics.bootstrap_statistic((s, r, f), _share, num=nboot, seed=seed)
+        shares[name] = statistics.bootstrap_statistic((s, r, f), _share, num=nboot, seed=seed)
     return {"metric": key, "reuse_minus_full": loss, "lo": lo, "hi": hi, "recovered_share": shares}
 
 

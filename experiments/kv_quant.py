@@ -20,13 +20,13 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from experiments import report
+from experiments import report, statistics
 from experiments.timing import decode_step_seconds
 from experiments.workloads import rag
 from kvjax import metrics
-from kvjax.blend.blender import BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import ChunkReuse
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.blend.selection import SelectionConfig
 from kvjax.cache import QUANTIZED_DTYPES, CacheLayout, init_pool
 from kvjax.config import KvCacheConfig, SchedulerConfig
@@ -99,7 +99,7 @@ def continuation_logits(
 
 
 def _ci(values: list[float], config: ml_collections.ConfigDict) -> dict[str, float]:
-    mean, lo, hi = metrics.bootstrap_ci(values, num=config.bootstrap, seed=config.seed)
+    mean, lo, hi = statistics.bootstrap_ci(values, num=config.bootstrap, seed=config.seed)
     return {"mean": mean, "lo": lo, "hi": hi}
 
 

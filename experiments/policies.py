@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.blend.blender import FULL_RECOMPUTE
+from experiments.blender import FULL_RECOMPUTE
 from kvjax.blend.selection import SelectionConfig
 
 _SELECTOR = {

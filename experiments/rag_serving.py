@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import json
 import pathlib
 import tempfile
 import time
@@ -672,32 +673,84 @@ def plot(windows: dict[str, list[dict]], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _comparable(config: ml_collections.ConfigDict) -> dict:
+    """The config a run's record was served under, less what pieces may change (``piece``, ``runs``)."""
+    fields = config.to_dict()
+    fields.pop("piece", None)
+    fields.pop("runs", None)
+    return json.loads(json.dumps(fields, default=str))
+
+
+def _run_file(workdir: pathlib.Path, run: Run) -> pathlib.Path:
+    """Where a served run's record is kept (its steady row, windows and replay rows)."""
+    return workdir / f"run-{run.name.replace('/', '-')}.json"
+
+
+def serve_run(config: ml_collections.ConfigDict, work: Workload, run: Run, refs: dict[int, Reference],
+              disk_dir: str, workdir: pathlib.Path) -> dict:
+    """Serves the stream with ``run`` and keeps its record in ``workdir`` (``_run_file``, and
+    its queries as ``queries-<run>.csv``); returns the record."""
+    server = Server(config, work, run, refs, disk_dir)
+    bar = tqdm(total=len(work.stream), desc=run.name, leave=False)
+    recs = server.serve(bar.update)
+    bar.close()
+    steady = steady_row(run, recs, config.serving.warmup_queries)
+    exact = replay(server.manager.log, KVCacheManager(server.manager.config, server.engine.layout),
+                   priorities=run.eviction == "priority_lru")
+    served = dataclasses.asdict(server.manager.stats)
+    steady["replay_equal"] = exact.stats == served
+    steady["replay_diff"] = " ".join(f"{k}:{served[k]}/{v}" for k, v in exact.stats.items()
+                                     if v != served[k])  # counter:served/replayed
+    record = {"run": run.name, "config": _comparable(config), "steady": steady,
+              "windows": window_rows(recs, config.serving.window),
+              "replays": replay_rows(config, run, server.engine, server.manager.log) if run.blended else [],
+              "machine": timing.machine_limits(), "code": report.code_commit()}
+    report.write_csv(workdir / f"queries-{run.name.replace('/', '-')}.csv", recs,
+                     list(dict.fromkeys(k for rec in recs for k in rec)))
+    report.write_json(_run_file(workdir, run), record)
+    del server
+    gc.collect()
+    return record
+
+
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
+    """Serves every run of ``config.runs`` not yet served in ``workdir`` (at most
+    ``piece.max_runs`` of them: a long stream runs in pieces, each resuming from the records
+    the pieces before it kept), then, once every run has its record, writes the summary."""
     runs = [Run.parse(r) for r in config.runs]
-    machine = timing.machine_limits()
+    want = _comparable(config)
+    for r in runs:
+        if _run_file(workdir, r).is_file():
+            got = json.loads(_run_file(workdir, r).read_text())["config"]
+            if got != want:
+                fields = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+                raise ValueError(f"{workdir} holds run {r.name!r} of another config (fields {fields} differ): "
+                                 "serve it in its own folder, or remove the folder's run-*.json files")
     work = load_workload(config, workdir)
-    records, windows, steady, replays = {}, {}, [], []
-    with tempfile.TemporaryDirectory(dir=workdir) as disk_dir:
-        refs = references(config, work, disk_dir)
-        for r in runs:
-            server = Server(config, work, r, refs, disk_dir)
-            bar = tqdm(total=len(work.stream), desc=r.name, leave=False)
-            recs = server.serve(bar.update)
-            bar.close()
-            records[r.name], windows[r.name] = recs, window_rows(recs, config.serving.window)
-            steady.append(steady_row(r, recs, config.serving.warmup_queries))
-            exact = replay(server.manager.log, KVCacheManager(server.manager.config, server.engine.layout),
-                           priorities=r.eviction == "priority_lru")
-            served = dataclasses.asdict(server.manager.stats)
-            steady[-1]["replay_equal"] = exact.stats == served
-            steady[-1]["replay_diff"] = " ".join(f"{k}:{served[k]}/{v}" for k, v in exact.stats.items()
-                                                 if v != served[k])  # counter:served/replayed
-            if r.blended:
-                replays += replay_rows(config, r, server.engine, server.manager.log)
-            report.write_csv(workdir / f"queries-{r.name.replace('/', '-')}.csv", recs,
-                             list(dict.fromkeys(k for rec in recs for k in rec)))
-            del server
-            gc.collect()
+    todo = [r for r in runs if not _run_file(workdir, r).is_file()]
+    if config.piece.max_runs:
+        todo = todo[: config.piece.max_runs]
+    if todo:
+        with tempfile.TemporaryDirectory(dir=workdir) as disk_dir:
+            refs = references(config, work, disk_dir)
+            for r in todo:
+                serve_run(config, work, r, refs, disk_dir, workdir)
+                if config.piece.commit:
+                    report.commit_folder(workdir, f"Results: rag_serving {workdir.name}, run {r.name} "
+                                                  f"({len(work.stream)} queries), code {report.code_commit()}")
+    left = [r.name for r in runs if not _run_file(workdir, r).is_file()]
+    if left:
+        return {"runs_left": left}
+    return assemble(config, workdir, runs, len(work.stream))
+
+
+def assemble(config: ml_collections.ConfigDict, workdir: pathlib.Path, runs: Sequence[Run], num_queries: int) -> dict:
+    """The summary, tables and figure of the runs' records in ``workdir``."""
+    records = [json.loads(_run_file(workdir, r).read_text()) for r in runs]
+    windows = {rec["run"]: rec["windows"] for rec in records}
+    steady = [rec["steady"] for rec in records]
+    replays = [row for rec in records for row in rec["replays"]]
+    machines = {rec["run"]: rec["machine"] for rec in records}
     base = next((s for s in steady if s["run"].startswith("no_reuse")), None)
     for s in steady:
         s["ttft_speedup_p50"] = base["ttft_p50_s"] / s["ttft_p50_s"] if base else float("nan")
@@ -705,10 +758,12 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     report.write_csv(workdir / "windows.csv", [{"run": k, **row} for k, rows in windows.items() for row in rows])
     sections = [
         ("Findings", findings(steady, windows, replays, config)),
-        ("Setup", f"{len(work.stream)} queries, {config.stream.top_k} passages each ({config.stream.retriever}), "
+        ("Setup", f"{num_queries} queries, {config.stream.top_k} passages each ({config.stream.retriever}), "
                   f"device cache {config.cache.device_tokens} tokens, host {config.cache.host_mb} MiB, disk "
                   f"{config.cache.disk_mb} MiB at {config.cache.disk_read_gbps} GB/s; concurrency "
-                  f"{config.serving.concurrency}; machine: {machine}.\n"),
+                  f"{config.serving.concurrency}.\n"),
+        ("Runs: code and machine", report.markdown_table(
+            [{"run": rec["run"], "code": rec["code"], **rec["machine"]} for rec in records])),
         (f"Steady state (queries from {config.serving.warmup_queries})", report.markdown_table(steady)),
         ("Over time", "![over time](over_time.png)\n"),
         ("The block traces replayed through the manager alone, and Belady",
@@ -718,4 +773,4 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
     ]
     report.write_csv(workdir / "replays.csv", replays, list(dict.fromkeys(k for row in replays for k in row)))
     report.write_summary(workdir, "RAG serving: CacheBlend in steady state", sections)
-    return {"machine": machine, "steady": steady, "replays": replays, "windows": windows}
+    return {"machines": machines, "steady": steady, "replays": replays, "windows": windows}

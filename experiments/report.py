@@ -10,6 +10,7 @@ import json
 import math
 import pathlib
 import re
+import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -124,3 +125,32 @@ if __name__ == "__main__":
     flags.DEFINE_string("runs", "runs", "Folder holding the run folders.")
     flags.DEFINE_string("out", None, "Report path; default <runs>/REPORT.md.")
     app.run(main)
+
+
+def commit_folder(folder: pathlib.Path, message: str) -> None:
+    """Commits ``folder``'s files (nothing else) to the git repository holding it: a piece of a
+    long run lands as soon as it ends.
+
+    Raises:
+      RuntimeError: ``folder`` is not inside a git work tree, or git failed (its message).
+    """
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"piece.commit: git {' '.join(args)} failed in {folder}: {done.stderr.strip()}")
+        return done.stdout.strip()
+
+    git("add", "--", ".")
+    git("commit", "--quiet", "-m", message, "--", ".")
+
+
+def code_commit() -> str:
+    """The checked-out commit of the code (``+dirty`` when tracked files differ), or "unknown"."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode:
+        return "unknown"
+    dirty = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", "kvjax", "experiments", "configs", "pallas_kernels"], cwd=root
+    ).returncode
+    return head.stdout.strip() + ("+dirty" if dirty else "")

@@ -59,7 +59,7 @@ M       capacity              row capacity of a blended prefill at one layer: th
 o       num_probes            probe positions whose per-layer attention output a
                               blended prefill traces (``BlendPlan.num_probes``)
 f       num_features          per-token features of a check layer, the learned
-                              scorer's inputs: ``len(selection.FEATURES)``
+                              scorer's inputs: ``len(scoring.FEATURES)``
 z       hidden                hidden units of the learned scorer's MLP
                               (``kvjax.blend.scorer.train_scorer``)
 a       num_draft_tokens      draft tokens per sequence of a speculative step (at     SpeculativeConfig.num_draft_tokens

@@ -345,7 +345,7 @@ class KvCacheConfig:
             f"disk_cache_size={self.disk_cache_size!r} must be an int >= 0 (bytes)",
         )
         _require(
-            not self.disk_cache_size or self.host_cache_size,
+            not self.disk_cache_size or self.host_cache_size > 0,
             f"disk_cache_size={self.disk_cache_size} needs host_cache_size > 0: blocks reach the disk tier "
             "only from the host tier",
         )
@@ -569,5 +569,6 @@ def as_retention_config(value: KvCacheRetentionConfig | Mapping[str, Any] | Sequ
         return KvCacheRetentionConfig()
     if isinstance(value, KvCacheRetentionConfig):
         return value
-    _require(isinstance(value, Mapping), f"retention_config={value!r} must be a KvCacheRetentionConfig or a mapping")
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"retention_config={value!r} must be a KvCacheRetentionConfig or a mapping")
     return _from_mapping(KvCacheRetentionConfig, value, "retention_config")

@@ -60,6 +60,7 @@ import functools
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +71,7 @@ from kvjax import attention
 from kvjax.cache.layout import CacheLayout
 from kvjax.cache.pool import PagePool
 from kvjax.model.config import ModelConfig
-from kvjax.model.transformer import LayerParams, LogitsMode, Params, forward
+from kvjax.model.transformer import LogitsMode, Params, forward
 
 PAGES = attention.PAGES_AXIS
 KV = attention.KV_AXIS
@@ -147,14 +148,14 @@ def param_specs(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
         "w_down": PartitionSpec(mlp, None), "bq": PartitionSpec(KV), "bk": PartitionSpec(KV), "bv": PartitionSpec(KV),
     }
 
-    def layer(lp: LayerParams) -> LayerParams:
-        return LayerParams(**{
-            name: None if getattr(lp, name) is None else split.get(name, PartitionSpec())
-            for name in LayerParams.__dataclass_fields__
-        })
+    def spec(path: tuple[Any, ...], _: jax.Array) -> PartitionSpec:
+        """A weight's spec by its field name, ``path[-1]`` (absent weights, None, have none)."""
+        field = path[-1]
+        if isinstance(field, jax.tree_util.GetAttrKey):
+            return split.get(field.name, PartitionSpec())
+        return PartitionSpec()
 
-    return Params(embed=PartitionSpec(), layers=tuple(layer(lp) for lp in params.layers), final_norm=PartitionSpec(),
-                  lm_head=None if params.lm_head is None else PartitionSpec())
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:

@@ -9,8 +9,9 @@ Host-side numpy functions over arrays read back from the device:
   selection    recall against an oracle set;
   cost         recomputed FLOP fraction;
   gold         SQuAD exact match and token F1 (the official v1.1 normalisation, max over the
-               gold answers), needle-in-a-haystack exact retrieval;
-  statistics   percentile bootstrap intervals over prompts (paired when comparing policies).
+               gold answers), needle-in-a-haystack exact retrieval.
+
+Intervals over prompts are the experiments' (``experiments/statistics.py``).
 
 Axis letters are ``kvjax/axes.py``'s.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import collections
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -56,10 +57,10 @@ def answer_log_likelihood(logits: np.ndarray, answer: Sequence[int]) -> float:
     """Mean log-probability per token (nats, <= 0) of ``answer`` teacher-forced: ``logits``
     [len(answer), v] are the logits before each of its tokens (the prompt's last position,
     then after each answer token but the last)."""
-    answer = np.asarray(answer, np.int64)
-    if logits.shape[0] != len(answer) or len(answer) == 0:
-        raise ValueError(f"logits {logits.shape} must hold one row per answer token ({len(answer)}, at least 1)")
-    return float(np.take_along_axis(log_softmax(logits), answer[:, None], axis=-1).mean())
+    ids = np.asarray(answer, np.int64)
+    if logits.shape[0] != len(ids) or len(ids) == 0:
+        raise ValueError(f"logits {logits.shape} must hold one row per answer token ({len(ids)}, at least 1)")
+    return float(np.take_along_axis(log_softmax(logits), ids[:, None], axis=-1).mean())
 
 
 def kv_deviation(k: np.ndarray, v: np.ndarray, k_ref: np.ndarray, v_ref: np.ndarray, kind: str = "kv") -> np.ndarray:
@@ -114,10 +115,10 @@ def attention_deviation(attn: np.ndarray, attn_ref: np.ndarray, valid: np.ndarra
 
 def recall(selected: Sequence[int] | np.ndarray, oracle: Sequence[int] | np.ndarray) -> float:
     """|selected ∩ oracle| / |oracle| (1.0 for an empty oracle)."""
-    oracle = set(np.asarray(oracle).tolist())
-    if not oracle:
+    wanted = set(np.asarray(oracle).tolist())
+    if not wanted:
         return 1.0
-    return len(oracle & set(np.asarray(selected).tolist())) / len(oracle)
+    return len(wanted & set(np.asarray(selected).tolist())) / len(wanted)
 
 
 def layer_flops(cfg: ModelConfig, rows: np.ndarray, positions: np.ndarray, qkv_only: np.ndarray | None = None) -> float:
@@ -199,58 +200,3 @@ def niah_recall(prediction: str, values: Sequence[str]) -> float:
 def niah_exact(prediction: str, values: Sequence[str]) -> float:
     """Exact retrieval: 1.0 if every required needle value is in the prediction, else 0.0."""
     return float(niah_recall(prediction, values) == 1.0)
-
-
-def bootstrap_ci(
-    values: Sequence[float] | np.ndarray, *, num: int = 2000, level: float = 0.95, seed: int = 0
-) -> tuple[float, float, float]:
-    """(mean, low, high): percentile bootstrap of the mean over the given units (prompts)."""
-    x = np.asarray(values, np.float64)
-    if len(x) == 0:
-        return float("nan"), float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), (num, len(x)))].mean(axis=1)
-    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(x.mean()), float(lo), float(hi)
-
-
-def bootstrap_statistic(columns: Sequence[np.ndarray], statistic: Callable[..., np.ndarray], *, num: int = 2000,
-                        level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """(value, low, high) of ``statistic`` over paired per-prompt columns, resampling prompts.
-
-    Args:
-      columns: arrays [prompts] over the same prompts in the same order.
-      statistic: maps the columns, each [..., prompts], to [...] (vectorized over resamples), e.g.
-        a ratio of means ``lambda a, b: a.mean(-1) / b.mean(-1)``.
-
-    NaN resamples (a statistic undefined there) are left out of the interval.
-    """
-    cols = [np.asarray(c, np.float64) for c in columns]
-    if len({c.shape for c in cols}) != 1:
-        raise ValueError(f"paired columns need the same prompts: shapes {[c.shape for c in cols]}")
-    if cols[0].size == 0:
-        return float("nan"), float("nan"), float("nan")
-    idx = np.random.default_rng(seed).integers(0, len(cols[0]), (num, len(cols[0])))
-    values = np.asarray(statistic(*(c[idx] for c in cols)), np.float64)
-    values = values[np.isfinite(values)]
-    value = float(statistic(*cols))
-    if not len(values):
-        return value, float("nan"), float("nan")
-    lo, hi = np.quantile(values, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return value, float(lo), float(hi)
-
-
-def paired_bootstrap_ci(
-    values: Sequence[float] | np.ndarray,
-    baseline: Sequence[float] | np.ndarray,
-    *,
-    num: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-) -> tuple[float, float, float]:
-    """(mean, low, high) of the per-prompt difference ``values - baseline`` (both [prompts],
-    the same prompts in the same order), resampling prompts."""
-    a, b = np.asarray(values, np.float64), np.asarray(baseline, np.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"paired values need the same prompts: shapes {a.shape} and {b.shape}")
-    return bootstrap_ci(a - b, num=num, level=level, seed=seed)

@@ -65,7 +65,10 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, (float, np.floating))) and not math.isnan(value)
+    """A real number (Python or NumPy, not a bool) that is not NaN."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return not math.isnan(value)
 
 
 NUCLEUS_BISECTION_STEPS = 32

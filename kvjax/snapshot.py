@@ -60,7 +60,7 @@ def _arrays(engine: Engine) -> dict[str, np.ndarray]:
     group), as stored: a quantized cache's int8 / float8_e4m3fn values under those names and
     their scales beside them as ``device_{k,v}_scales_<layer>``, ``host_scales_<group>`` and
     ``disk_scales_<group>``."""
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     for i, (k, v) in enumerate(zip(engine.pool.k, engine.pool.v)):
         arrays |= _named(f"device_k_{i:03d}", f"device_k_scales_{i:03d}", k)
         arrays |= _named(f"device_v_{i:03d}", f"device_v_scales_{i:03d}", v)
@@ -90,7 +90,7 @@ def _arrays_digest(arrays: dict[str, np.ndarray]) -> str:
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"|{name}:{a.dtype.str}:{a.dtype.name}:{a.shape}|".encode())
-        h.update(a.reshape(-1).view(np.uint8))
+        h.update(a.reshape(-1).view(np.uint8).data)
     return h.hexdigest()
 
 
@@ -338,7 +338,7 @@ def _restore(engine: Engine, directory: str | os.PathLike, step: int | None) -> 
             _pages(arrays, f"device_v_{i:03d}", f"device_v_scales_{i:03d}", jnp.asarray) for i in range(num_layers)
         ),
     )
-    if index is not None:
+    if index is not None and engine.recurrent is not None:
         engine.recurrent.index = index
         engine.recurrent.pool = jnp.asarray(arrays["state_pool"])
     engine.pool = pool

@@ -82,14 +82,14 @@ def check_inputs(
         raise ValueError(f"q head_dim={head_dim} must equal the pages' head_dim={kv_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
-    if not decode and q_positions.shape != q.shape[:2]:
+    if q_positions is not None and q_positions.shape != q.shape[:2]:
         raise ValueError(f"q_positions.shape={q_positions.shape} must be {q.shape[:2]}")
     if lengths.shape != (num_seqs,):
         raise ValueError(f"lengths.shape={lengths.shape} must be {(num_seqs,)}")
     if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs:
         raise ValueError(f"page_indices.shape={page_indices.shape} must be [{num_seqs}, pages_per_seq]")
     integers = (("lengths", lengths), ("page_indices", page_indices))
-    for name, array in integers if decode else (("q_positions", q_positions), *integers):
+    for name, array in integers if q_positions is None else (("q_positions", q_positions), *integers):
         if array.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={array.dtype} must be int32")
     check_scales(k_pages, k_scales, v_scales)
@@ -103,12 +103,12 @@ def check_scales(k_pages: jax.Array, k_scales: jax.Array | None, v_scales: jax.A
     """Trace-time checks of quantized pages' scales (see ``check_inputs``); raises ValueError."""
     if (k_scales is None) != (v_scales is None):
         raise ValueError("k_scales and v_scales must be given together (quantized pages) or both be None")
-    if k_scales is None:
+    if k_scales is None or v_scales is None:
         return
     if k_pages.dtype not in QUANTIZED_STORAGE:
         raise ValueError(f"k_pages.dtype={k_pages.dtype} must be int8 or float8_e4m3fn when scales are given")
     num_pages, tokens_per_block, num_kv_heads, _ = k_pages.shape
-    allowed = ((num_pages, tokens_per_block, num_kv_heads), (num_pages, 1, num_kv_heads))
+    allowed: tuple[tuple[int, ...], ...] = ((num_pages, tokens_per_block, num_kv_heads), (num_pages, 1, num_kv_heads))
     for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
         if scales.shape not in allowed:
             raise ValueError(f"{name}.shape={scales.shape} must be {allowed[0]} (per token) or {allowed[1]} (per page)")
@@ -294,7 +294,9 @@ def softmax_step(
         p = jnp.where(visible, p, 0.0)
     if key_live is not None:
         v = jnp.where(key_live, v, jnp.zeros((), v.dtype))  # [..., k, d]
-    p_v = p if v_scale is None else jnp.where(visible, p * v_scale, 0.0)  # a masked slot's scale may be anything
+    p_v = p  # with scales, a masked slot's scale may be anything: masked again after scaling
+    if v_scale is not None:
+        p_v = p * v_scale if visible is None else jnp.where(visible, p * v_scale, 0.0)
     pv = jnp.einsum("...rk,...kd->...rd", p_v.astype(v.dtype), v, precision=precision,
                     preferred_element_type=jnp.float32)
     l_next = alpha * l + jnp.sum(p, axis=-1, keepdims=True)

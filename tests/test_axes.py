@@ -24,9 +24,9 @@ OWN_LETTERS = {
 """Modules whose einsums keep letters of their own, and why."""
 EINOPS = ("rearrange", "repeat", "reduce")
 GLOSSARY_SHAPES = (
-    "kvjax/blend/blender.py",
     "kvjax/blend/fusor.py",
     "kvjax/blend/reposition.py",
+    "kvjax/blend/scoring.py",
     "kvjax/blend/selection.py",
     "kvjax/cache/state_pool.py",
     "kvjax/decode.py",

@@ -151,10 +151,10 @@ def forward_case(
 def blend_case(name: str, overrides: dict) -> dict:
     """A CacheBlend prefill (ratio 0.3, gradual filtering) and greedy decode through the engine,
     one device vs an engine over the mesh (``Engine(mesh=...)``: sharded weights and page pool)."""
+    from experiments.blender import FULL_RECOMPUTE, make_blender
     from kvjax import distributed
-    from kvjax.blend.blender import FULL_RECOMPUTE, BlendPrompt
+    from kvjax.blend.prompt import BlendPrompt
     from kvjax.blend.selection import SelectionConfig
-    from kvjax.testing.blend import make_blender
     from kvjax.testing.tiny import tiny_model
 
     cfg, params = tiny_model(2, **{**overrides, "num_layers": 4})

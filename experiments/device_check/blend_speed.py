@@ -14,12 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from experiments import timing
+from experiments.blender import FULL_RECOMPUTE, Blender
 from experiments.device_check.engine_speed import make_engine, measure_with_fallback
 from experiments.device_check.random_model import random_model
 from experiments.device_check.stages import Context, Table
 from kvjax import metrics
-from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.blend.selection import SelectionConfig
 from kvjax.model.model import Model
 from kvjax.testing.blend import random_prompt

@@ -44,7 +44,7 @@ documented (and checked) by ``pallas_kernels.common.check_inputs``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -93,13 +93,15 @@ def _choose(impl: str, interpret_kernel: str) -> tuple[str, bool | pltpu.Interpr
 def _unpack(k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
             mesh: Mesh | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(k values, v values, the kernels' ``k_scales``/``v_scales`` keywords; empty for float pages)."""
-    if isinstance(k_pages, QuantizedPages) != isinstance(v_pages, QuantizedPages):
+    if isinstance(k_pages, QuantizedPages) and isinstance(v_pages, QuantizedPages):
+        if mesh is not None:
+            raise ValueError(
+                "quantized KV pages (int8 / fp8) over a device mesh are not supported; use a float KV dtype"
+            )
+        return k_pages.values, v_pages.values, {"k_scales": k_pages.scales, "v_scales": v_pages.scales}
+    if isinstance(k_pages, QuantizedPages) or isinstance(v_pages, QuantizedPages):
         raise ValueError("k_pages and v_pages must both be quantized (QuantizedPages) or both be arrays")
-    if not isinstance(k_pages, QuantizedPages):
-        return k_pages, v_pages, {}
-    if mesh is not None:
-        raise ValueError("quantized KV pages (int8 / fp8) over a device mesh are not supported; use a float KV dtype")
-    return k_pages.values, v_pages.values, {"k_scales": k_pages.scales, "v_scales": v_pages.scales}
+    return k_pages, v_pages, {}
 
 
 _IMPLEMENTATIONS: dict[str, dict[str, Callable[..., jax.Array]]] = {
@@ -131,7 +133,7 @@ def _attend(
     through the implementation ``impl`` resolves to, per device when ``mesh`` is given."""
     kernel, interpret = _choose(impl, interpret_kernel)
     k_pages, v_pages, scales = _unpack(k_pages, v_pages, mesh)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    options: dict[str, Any] = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     rest = () if q_positions is None else (q_positions,)
     if mesh is not None:
 
@@ -241,7 +243,7 @@ def row_attention(
       [q, H, d] in q's dtype.
     """
     kernel, _ = _choose(impl, interpret_kernel)
-    options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
+    options: dict[str, Any] = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
     if kernel == "blocked":
         return rows.row_attention(q, q_positions, k, v, length, **options)
     t = k.shape[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,7 @@ def partial_attention(
         rearrange(_gather(pages, scales, page_indices), "s (n p) t h d -> n s h (p t) d", p=pages_per_block)
         for pages, scales in ((k_pages, k_scales), (v_pages, v_scales))
     )
-    options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
+    options: dict[str, Any] = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
     blocks = [
         query_block(
             q[:, i * rows : (i + 1) * rows],
@@ -168,7 +169,7 @@ def normalized(carry: Carry, valid: jax.Array) -> jax.Array:
 
 
 def over_key_blocks(
-    attend: Callable[[jax.Array, Carry, bool], Carry], carry: Carry, *, num_key_blocks: int, block: int,
+    attend: Callable[..., Carry], carry: Carry, *, num_key_blocks: int, block: int,
     lowest: jax.Array, highest: jax.Array, sliding_window: int | None,
 ) -> Carry:
     """Runs ``attend(j, carry, masked)`` over the key blocks that hold a visible slot.

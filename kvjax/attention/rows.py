@@ -31,6 +31,7 @@ per KV head, H query heads, d head_dim, n blocks).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +101,7 @@ def row_attention(
     q = jnp.pad(q, ((0, row_pad), (0, 0), (0, 0)))
     q_positions = jnp.pad(q_positions, (0, row_pad), constant_values=-1)
     lengths = jnp.minimum(jnp.asarray(length, jnp.int32), kv_len)[None]  # [1]
-    options = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
+    options: dict[str, Any] = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
 
     def one_block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
         """A block of rows [rows, H, d] at positions [rows] -> [rows, H, d] float32."""

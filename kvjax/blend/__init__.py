@@ -1,9 +1,9 @@
 """CacheBlend: reuse of non-prefix chunk KV with selective recompute, as engine requests."""
 
-from kvjax.blend.blender import Blender, BlendPrompt, PolicyRun
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import BlendReport, ChunkReuse, blended_prefill
 from kvjax.blend.fusor import BlendInputs, BlendPlan, blend_prefill
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.blend.reposition import reposition_keys, reposition_layers
 from kvjax.blend.selection import Roles, Selection, SelectionConfig, plan
 
@@ -12,10 +12,8 @@ __all__ = [
     "BlendPlan",
     "BlendPrompt",
     "BlendReport",
-    "Blender",
     "ChunkReuse",
     "ChunkStore",
-    "PolicyRun",
     "Roles",
     "Selection",
     "SelectionConfig",

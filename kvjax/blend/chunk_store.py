@@ -36,7 +36,7 @@ import numpy as np
 
 from kvjax.blend.fidelity import FidelityConfig, FidelityReport, require
 from kvjax.cache.pool import sequence_slots
-from kvjax.config import KvCacheRetentionConfig
+from kvjax.config import KvCacheRetentionConfig, as_retention_config
 from kvjax.manager import require_tiered
 from kvjax.manager.hashing import InternalScope, check_token_ids
 from kvjax.sampling import SamplingParams
@@ -121,7 +121,7 @@ class ChunkStore:
         require_tiered(engine.manager, "a ChunkStore (CacheBlend chunks)")
         self.engine = engine
         self.variant = variant
-        self.retention = retention
+        self.retention = None if retention is None else as_retention_config(retention)
         self.prefix_tokens = check_token_ids(prefix_tokens, "prefix_tokens", engine.model.config.vocab_size)
         bos = engine.model.config.bos_id
         self.variant_prefix: tuple[int, ...] = {"pos0": (), "bos": (bos,), "system": self.prefix_tokens}[variant]
@@ -236,6 +236,7 @@ class ChunkStore:
             for seq in sequences:
                 rid = f"{self.salt}/lookup-{next(self._ids)}"
                 found = manager.add_request(rid, (*seq, SENTINEL), retention=self.retention, cache_salt=salt)
+                assert found is not None, "no admission callback: the request is registered"
                 ids.append(rid)
                 tables.append(tuple(tuple(manager.block_table(rid, g)) for g in range(self.engine.layout.num_groups)))
                 covered.append(min(found, len(seq)))

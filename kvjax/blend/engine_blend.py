@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from kvjax.blend.fusor import BlendInputs, BlendPlan, ComputeTimeline, PrefillInterrupted, blend_prefill
+from kvjax.blend.fusor import BlendInputs, BlendPlan, PrefillInterrupted, blend_prefill
 from kvjax.blend.selection import (
     SCHEDULE_SELECTORS,
     Roles,
@@ -61,6 +61,7 @@ from kvjax.blend.selection import (
     round_up,
     schedule,
 )
+from kvjax.blend.timeline import ComputeTimeline
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
 from kvjax.engine import table_width
@@ -214,7 +215,7 @@ class BlendReport:
         "row_layers", "logits".
       recomputed: [L, T] bool, the prompt tokens each layer recomputed (T = prompt tokens).
       timeline: with ``ChunkReuse.timeline``, "load" (``LayerwiseOnboard.events``) and
-        "compute" (``fusor.ComputeTimeline.events``) with times in seconds from the prefill's
+        "compute" (``timeline.ComputeTimeline.events``) with times in seconds from the prefill's
         start; else None.
     """
 
@@ -229,6 +230,13 @@ class BlendReport:
     phases: dict[str, float]
     recomputed: np.ndarray
     timeline: dict[str, list[dict]] | None = None
+
+
+def _chunk_reuse(work: ChunkedWork) -> ChunkReuse:
+    """``work``'s chunks, which a blended prefill runs only as ``ChunkReuse``."""
+    if not isinstance(work.reuse, ChunkReuse):
+        raise TypeError(f"a blended prefill runs ChunkReuse requests, got {type(work.reuse).__name__}")
+    return work.reuse
 
 
 def blended_prefill(
@@ -250,7 +258,7 @@ def blended_prefill(
     """
     t0 = time.perf_counter()
     head = batch[0]
-    reuse, prompt, num_cached = head.reuse, head.prompt, head.num_cached
+    reuse, prompt, num_cached = _chunk_reuse(head), head.prompt, head.num_cached
     if any(w.reuse.batch_key(w.prompt, w.num_cached) != reuse.batch_key(prompt, num_cached) for w in batch[1:]):
         raise ValueError(
             "the requests of one blended prefill must share their prompt, chunks and cached tokens (batch_key)"
@@ -341,19 +349,19 @@ def blended_prefill(
                     chunk_spans=tuple(spans),
                     suffix_start=roles.suffix_start,
                 ),
-                work.reuse.selection,
+                _chunk_reuse(work).selection,
                 padded,
                 cfg.num_layers,
                 forced=np.flatnonzero(forced_mask & (idx < roles.suffix_start)),
                 num_cached=num_cached,
                 exact_len=exact_len,
-                scores=work.reuse.scores,
+                scores=_chunk_reuse(work).scores,
             )
             block_table = np.full((len(tables), width), NULL_PAGE, np.int32)
-            for g, table in enumerate(tables):
-                block_table[g, : len(table)] = table
+            for g, group_table in enumerate(tables):
+                block_table[g, : len(group_table)] = group_table
             inputs.append(
-                BlendInputs(
+                BlendInputs.on_device(
                     tokens=tokens,
                     positions=positions,
                     page_ids=page_ids,
@@ -383,7 +391,9 @@ def blended_prefill(
             )
         except PrefillInterrupted as stop:
             context.pool = stop.pool
-            raise stop.__cause__ from None
+            cause = stop.__cause__
+            assert cause is not None, "blend_prefill raises PrefillInterrupted from the layer's error"
+            raise cause from None
         finally:
             if compute is not None:
                 compute.close()

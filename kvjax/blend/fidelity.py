@@ -181,7 +181,10 @@ def _calibration_prompt(
     """(chunks, suffix) of seeded token ids in [3, vocab); chunks shortened (to 16 tokens at
     least) so that the prompt and a page of room fit the model's context."""
     rng = np.random.default_rng(config.seed)
-    draw = lambda n: rng.integers(3, cfg.vocab_size, n).tolist()
+
+    def draw(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(3, cfg.vocab_size, n)]
+
     fit = (cfg.max_seq_len - config.suffix_tokens - 2 * tokens_per_block) // config.num_chunks
     length = max(16, min(config.chunk_tokens, fit))
     return [draw(length) for _ in range(config.num_chunks)], draw(config.suffix_tokens)

@@ -7,7 +7,7 @@ For every layer l (compiled as a check phase plus one reused layer step, see
 1. the layer's reused KV is read from its slots and its keys re-rotated to the actual
    positions (``read_layer``), as one contiguous [T, h, d] array;
 2. the rows still being recomputed get fresh q/k/v from their own hidden states; at a check
-   layer their deviation from the reused KV narrows the set (``selection.narrow``);
+   layer their deviation from the reused KV narrows the set (``scoring.narrow``);
 3. the recomputed rows' K/V overwrite the reused ones in the layer's contiguous K/V (the
    fused KV);
 4. the recomputed rows attend over it (``attention.row_attention``: the blocked XLA
@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import queue
-import threading
-import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.struct
 import jax
@@ -47,7 +45,8 @@ import numpy as np
 
 from kvjax import attention
 from kvjax.blend.reposition import reposition_keys
-from kvjax.blend.selection import FEATURES, CheckScore, check_features, check_score, narrow
+from kvjax.blend.scoring import FEATURES, CheckScore, check_features, check_score, narrow
+from kvjax.blend.timeline import ComputeTimeline, PhaseClock
 from kvjax.cache.layout import CacheLayout
 from kvjax.cache.pool import PagePool, Pages, read_slots, slot_mapping, write_layer
 from kvjax.model import transformer
@@ -113,9 +112,14 @@ class BlendInputs:
     probes: jax.Array
     num_cached: jax.Array
 
+    @classmethod
+    def on_device(cls, **fields: np.ndarray | np.generic) -> BlendInputs:
+        """The inputs from fields built on the host (numpy), each moved to the device."""
+        return cls(**{name: jnp.asarray(value) for name, value in fields.items()})
+
 
 @flax.struct.dataclass
-class RowState:
+class RecomputedRows:
     """The rows being recomputed.
 
     Attributes:
@@ -134,14 +138,14 @@ def blend_layer(
     cfg: ModelConfig,
     layout: CacheLayout,
     layer: int,
-    rows: RowState,
+    rows: RecomputedRows,
     seq_k: jax.Array,
     seq_v: jax.Array,
     inputs: BlendInputs,
     check: tuple[int, jax.Array] | None,
     score: CheckScore,
     attn_impl: attention.Impl,
-) -> tuple[RowState, jax.Array, jax.Array, jax.Array]:
+) -> tuple[RecomputedRows, jax.Array, jax.Array, jax.Array]:
     """One layer of the blended prefill.
 
     Args:
@@ -170,7 +174,7 @@ def blend_layer(
         # span narrow position ranges and visit only the key blocks up to their last row.
         order = jnp.argsort(jnp.where(valid, rows.idx[picked], jnp.iinfo(jnp.int32).max))
         picked, valid = picked[order], valid[order]
-        rows = RowState(idx=rows.idx[picked], valid=valid, x=rows.x[picked])
+        rows = RecomputedRows(idx=rows.idx[picked], valid=valid, x=rows.x[picked])
         q, k, v = q[:, picked], k[:, picked], v[:, picked]
         row_pos = jnp.where(valid, inputs.positions[rows.idx], -1)
 
@@ -183,7 +187,7 @@ def blend_layer(
         tokens_per_block=layout.tokens_per_block, impl=attn_impl,
     )  # [M, H, d]
     x = transformer.finish_layer(lp, cfg, rows.x[None], out[None])[0]
-    return rows.replace(x=x), seq_k, seq_v, out
+    return dataclasses.replace(rows, x=x), seq_k, seq_v, out
 
 
 def read_layer(
@@ -221,14 +225,14 @@ def write_layer_fused(
     return write_layer(k_pages, page_ids, offsets, seq_k), write_layer(v_pages, page_ids, offsets, seq_v)
 
 
-def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInputs) -> RowState:
+def initial_rows(params: transformer.Params, cfg: ModelConfig, inputs: BlendInputs) -> RecomputedRows:
     """Embeddings of the rows recomputed from layer 0."""
     x = transformer.embed_tokens(params, cfg, inputs.tokens[inputs.rows][None])[0]  # [M, D]
-    return RowState(idx=inputs.rows, valid=inputs.rows_valid, x=x)
+    return RecomputedRows(idx=inputs.rows, valid=inputs.rows_valid, x=x)
 
 
 def last_logits(
-    params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int
+    params: transformer.Params, cfg: ModelConfig, rows: RecomputedRows, positions: jax.Array, num: int
 ) -> jax.Array:
     """Logits [num, v] of the rows at the ``num`` highest valid positions, in position order."""
     row_pos = jnp.where(rows.valid, positions[rows.idx], -1)
@@ -236,12 +240,12 @@ def last_logits(
     return jax.vmap(lambda x: transformer.logits_of(params, cfg, x))(rows.x[top[::-1]])
 
 
-def _recomputed(inputs: BlendInputs, rows: RowState) -> jax.Array:
+def _recomputed(inputs: BlendInputs, rows: RecomputedRows) -> jax.Array:
     """[T] bool: the tokens one layer recomputed."""
     return jnp.zeros(inputs.tokens.shape[0], bool).at[rows.idx].max(rows.valid)
 
 
-def _probe_attention(inputs: BlendInputs, rows: RowState, out: jax.Array) -> jax.Array:
+def _probe_attention(inputs: BlendInputs, rows: RecomputedRows, out: jax.Array) -> jax.Array:
     """Attention output [o, H*d] of one layer at the probe positions (zeros where not recomputed)."""
     row_pos = jnp.where(rows.valid, inputs.positions[rows.idx], -1)  # [M]
     match = (inputs.probes[:, None] == row_pos[None, :]) & (inputs.probes[:, None] >= 0)  # [o, M]
@@ -265,7 +269,7 @@ def _check_phase(
     score: CheckScore,
     num_probes: int,
     attn_impl: attention.Impl,
-) -> tuple[RowState, tuple[Pages, ...], tuple[Pages, ...], list, list, jax.Array, tuple]:
+) -> tuple[RecomputedRows, tuple[Pages, ...], tuple[Pages, ...], list, list, jax.Array, tuple]:
     """Layers 0 .. last check layer in one program: all tokens, then narrowing at each check.
 
     ``k_pages``/``v_pages`` are the pages of exactly these layers (donated): each layer's
@@ -274,16 +278,19 @@ def _check_phase(
     Returns:
       (rows, k_pages, v_pages, per-layer recomputed masks [T], per-layer probe attention
       [o, H*d] (empty unless ``num_probes``), features [T, f] of every token at the first check
-      layer (``selection.check_features``; zeros unless ``num_probes``), per-layer fused (k, v)
+      layer (``scoring.check_features``; zeros unless ``num_probes``), per-layer fused (k, v)
       [T, h, d] (empty unless ``num_probes``)).
     """
     check_at = {layer: (i, capacity) for i, (layer, capacity) in enumerate(checks)}
     rows = initial_rows(params, cfg, inputs)
-    k_pages, v_pages, masks, probes, fused = list(k_pages), list(v_pages), [], [], []
+    pages_k, pages_v = list(k_pages), list(v_pages)
+    masks: list[jax.Array] = []
+    probes: list[jax.Array] = []
+    fused: list[tuple[jax.Array, jax.Array]] = []
     t = inputs.tokens.shape[0]
     features = jnp.zeros((t, len(FEATURES)), jnp.float32)
-    for layer in range(len(k_pages)):
-        seq_k, seq_v = read_layer(k_pages[layer], v_pages[layer], inputs, cfg=cfg, layout=layout, layer=layer)
+    for layer in range(len(pages_k)):
+        seq_k, seq_v = read_layer(pages_k[layer], pages_v[layer], inputs, cfg=cfg, layout=layout, layer=layer)
         check = None
         if layer in check_at:
             i, capacity = check_at[layer]
@@ -299,9 +306,9 @@ def _check_phase(
         rows, seq_k, seq_v, out = blend_layer(
             params.layers[layer], cfg, layout, layer, rows, seq_k, seq_v, inputs, check, score, attn_impl,
         )
-        k_pages[layer], v_pages[layer] = write_layer_fused(
-            k_pages[layer],
-            v_pages[layer],
+        pages_k[layer], pages_v[layer] = write_layer_fused(
+            pages_k[layer],
+            pages_v[layer],
             seq_k[None],
             seq_v[None],
             inputs.block_table[None],
@@ -313,7 +320,7 @@ def _check_phase(
         if num_probes:
             probes.append(_probe_attention(inputs, rows, out))
             fused.append((seq_k, seq_v))
-    return rows, tuple(k_pages), tuple(v_pages), masks, probes, features, tuple(fused)
+    return rows, tuple(pages_k), tuple(pages_v), masks, probes, features, tuple(fused)
 
 
 @functools.partial(
@@ -323,7 +330,7 @@ def _check_phase(
 )
 def layer_step(
     lp: transformer.LayerParams,
-    rows: RowState,
+    rows: RecomputedRows,
     k_pages: Pages,
     v_pages: Pages,
     inputs: BlendInputs,
@@ -334,7 +341,7 @@ def layer_step(
     layer: int,
     num_probes: int,
     attn_impl: attention.Impl,
-) -> tuple[RowState, Pages, Pages, jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
+) -> tuple[RecomputedRows, Pages, Pages, jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
     """One layer without a check for B variants of one prompt, as one program: reads the
     layer's reused KV from its pages (donated) once, runs ``blend_layer`` for each variant's
     rows over its own copy (vmapped: the variants' rows go through the projections and the MLP
@@ -355,7 +362,7 @@ def layer_step(
     """
     seq_k, seq_v = read_layer(k_pages, v_pages, inputs, cfg=cfg, layout=layout, layer=layer)
 
-    def variant(rows: RowState) -> tuple[RowState, jax.Array, jax.Array, jax.Array]:
+    def variant(rows: RecomputedRows) -> tuple[RecomputedRows, jax.Array, jax.Array, jax.Array]:
         return blend_layer(lp, cfg, layout, layer, rows, seq_k, seq_v, inputs, None, CheckScore(), attn_impl)
 
     rows, fused_k, fused_v, out = jax.vmap(variant)(rows)
@@ -367,8 +374,10 @@ def layer_step(
     return rows, k_pages, v_pages, recomputed, trace
 
 
-_NO_INITIAL_ROWS = dict(rows=np.zeros(0, np.int32), rows_valid=np.zeros(0, bool), counts=np.zeros(0, np.int32),
-                        block_table=np.zeros((0, 0), np.int32))
+_NO_INITIAL_ROWS: dict[str, Any] = dict(
+    rows=np.zeros(0, np.int32), rows_valid=np.zeros(0, bool), counts=np.zeros(0, np.int32),
+    block_table=np.zeros((0, 0), np.int32),
+)
 """``BlendInputs`` fields ``layer_step`` does not read (the rows from layer 0, the check
 counts and one variant's block table), emptied for it so their shapes do not key its
 compiled programs."""
@@ -379,56 +388,10 @@ initial_rows_jit = jax.jit(initial_rows, static_argnames=("cfg",))
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num"))
 def cohort_logits(
-    params: transformer.Params, cfg: ModelConfig, rows: RowState, positions: jax.Array, num: int
+    params: transformer.Params, cfg: ModelConfig, rows: RecomputedRows, positions: jax.Array, num: int
 ) -> jax.Array:
     """``last_logits`` of B variants' stacked rows (idx, valid [B, M], x [B, M, D]): [B, num, v]."""
     return jax.vmap(lambda r: last_logits(params, cfg, r, positions, num))(rows)
-
-
-class _PhaseClock:
-    """Seconds per phase into ``phases`` (a no-op when None); waits for each phase's outputs."""
-
-    def __init__(self, phases: dict[str, float] | None) -> None:
-        self.phases, self.start = phases, time.perf_counter()
-
-    def lap(self, name: str, outputs: object) -> None:
-        if self.phases is None:
-            return
-        jax.block_until_ready(outputs)
-        now = time.perf_counter()
-        self.phases[name] = now - self.start
-        self.start = now
-
-
-class ComputeTimeline:
-    """When each layer's computation ran: a watcher thread waits for each dispatched layer's
-    output in order, without holding the dispatching thread back.
-
-    Events (``events``, after ``close``): dicts with "layers" (first, last + 1), "dispatch_s",
-    "start_s" (the later of its dispatch and the previous layer's end: XLA runs them in
-    order), "end_s", all ``time.perf_counter()`` seconds.
-    """
-
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._watch, name="kvjax-blend-timeline", daemon=True)
-        self._thread.start()
-
-    def dispatched(self, layers: tuple[int, int], output: jax.Array) -> None:
-        self._queue.put((layers, time.perf_counter(), output))
-
-    def _watch(self) -> None:
-        end = 0.0
-        while (item := self._queue.get()) is not None:
-            layers, dispatch, output = item
-            jax.block_until_ready(output)
-            start, end = max(dispatch, end), time.perf_counter()
-            self.events.append({"layers": layers, "dispatch_s": dispatch, "start_s": start, "end_s": end})
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
 
 
 class PrefillInterrupted(Exception):
@@ -463,7 +426,7 @@ class BlendResult:
     trace: dict[str, jax.Array] | None
 
 
-def _stack(states: list[RowState]) -> RowState:
+def _stack(states: list[RecomputedRows]) -> RecomputedRows:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
 
@@ -522,7 +485,7 @@ def blend_prefill(
             f"padded tokens T={inputs[0].tokens.shape[0]} must be a multiple of "
             f"tokens_per_block={layout.tokens_per_block}"
         )
-    clock = _PhaseClock(phases)
+    clock = PhaseClock(phases)
     host_tables = [np.asarray(x.block_table) for x in inputs]
     inputs = [jax.device_put(x) for x in inputs]
     k_pages, v_pages = list(pool.k), list(pool.v)
@@ -537,7 +500,7 @@ def blend_prefill(
         fetched_to = max(fetched_to, end)
 
     firsts = [plan.checks[-1][0] + 1 if plan.checks else 0 for plan in plans]
-    rows: list[RowState | None] = [None] * len(plans)
+    rows: dict[int, RecomputedRows] = {}
     masks: list[list[jax.Array]] = [[] for _ in plans]
     probes: list[jax.Array] = []
     fused: list[tuple[jax.Array, jax.Array]] = []
@@ -561,11 +524,11 @@ def blend_prefill(
                     timeline.dispatched((0, first), rows[b].x)
             else:
                 rows[b] = initial_rows_jit(params, cfg=cfg, inputs=inputs[b])
-        clock.lap("check_layers", [r.x for r in rows])
+        clock.lap("check_layers", [r.x for r in rows.values()])
         # one step program per row count, any schedule
-        row_inputs = jax.device_put(inputs[0].replace(**_NO_INITIAL_ROWS))
+        row_inputs = jax.device_put(dataclasses.replace(inputs[0], **_NO_INITIAL_ROWS))
         # row capacity -> (variants, stacked rows, block tables)
-        cohorts: dict[int, tuple[list[int], RowState, jax.Array]] = {}
+        cohorts: dict[int, tuple[list[int], RecomputedRows, jax.Array]] = {}
         for layer in range(min(firsts), cfg.num_layers + 1):  # variants join at their first row layer (or at the end)
             joining = [b for b, first in enumerate(firsts) if first == layer]
             for capacity in dict.fromkeys(rows[b].idx.shape[0] for b in joining):
@@ -594,7 +557,7 @@ def blend_prefill(
     except Exception as err:
         raise PrefillInterrupted(PagePool(k=tuple(k_pages), v=tuple(v_pages))) from err
     clock.lap("row_layers", [stacked.x for _, stacked, _ in cohorts.values()])
-    logits: list[jax.Array | None] = [None] * len(plans)
+    logits: dict[int, jax.Array] = {}
     for members, stacked, _ in cohorts.values():
         out = cohort_logits(params, cfg, stacked, inputs[0].positions, plans[0].num_logits)
         for i, b in enumerate(members):

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention
-from kvjax.blend.fusor import BlendInputs, RowState, layer_step
+from kvjax.blend.fusor import BlendInputs, RecomputedRows, layer_step
 from kvjax.cache import CacheLayout, HostPool, TierThrottle
+from kvjax.cache.host_pool import TierName
 from kvjax.cache.pool import init_pool
 from kvjax.model import transformer
 from kvjax.model.config import ModelConfig
@@ -96,7 +97,7 @@ def _timed(fn, repeats: int) -> float:
     return best
 
 
-def measure_tier(layout: CacheLayout, tier: str, throttle: TierThrottle, num_tokens: int,
+def measure_tier(layout: CacheLayout, tier: TierName, throttle: TierThrottle, num_tokens: int,
                  disk_dir: str | None = None, repeats: int = 3) -> TierSpec:
     """Per-layer read time of ``tier`` ("host" or "disk") as the layer-wise onboard reads it
     (``HostPool.load`` of one layer, throttled by ``throttle``), on a probe pool of this
@@ -174,29 +175,27 @@ def measure_recompute(
     times = []
     for m in rows:
         picked = np.linspace(0, num_tokens - 1, m).round().astype(np.int32)  # rows spread over the prompt
-        inputs = jax.device_put(
-            BlendInputs(
-                tokens=np.zeros(t, np.int32),
-                positions=np.where(idx < num_tokens, idx, -1).astype(np.int32),
-                page_ids=np.tile(idx // ps + 1, (layout.num_groups, 1)).astype(np.int32),
-                offsets=(idx % ps).astype(np.int32),
-                reused=idx < num_tokens,
-                deltas=np.zeros(t, np.int32),
-                selectable=idx < num_tokens,
-                forced=np.zeros(t, bool),
-                rows=picked,
-                rows_valid=np.ones(m, bool),
-                counts=np.zeros(0, np.int32),
-                block_table=np.tile(table, (layout.num_groups, 1)),
-                length=np.asarray([num_tokens], np.int32),
-                probes=np.zeros(0, np.int32),
-                num_cached=np.int32(0),
-            )
+        inputs = BlendInputs.on_device(
+            tokens=np.zeros(t, np.int32),
+            positions=np.where(idx < num_tokens, idx, -1).astype(np.int32),
+            page_ids=np.tile(idx // ps + 1, (layout.num_groups, 1)).astype(np.int32),
+            offsets=(idx % ps).astype(np.int32),
+            reused=idx < num_tokens,
+            deltas=np.zeros(t, np.int32),
+            selectable=idx < num_tokens,
+            forced=np.zeros(t, bool),
+            rows=picked,
+            rows_valid=np.ones(m, bool),
+            counts=np.zeros(0, np.int32),
+            block_table=np.tile(table, (layout.num_groups, 1)),
+            length=np.asarray([num_tokens], np.int32),
+            probes=np.zeros(0, np.int32),
+            num_cached=np.int32(0),
         )
-        state = RowState(idx=jnp.asarray(picked)[None], valid=jnp.ones((1, m), bool),
+        state = RecomputedRows(idx=jnp.asarray(picked)[None], valid=jnp.ones((1, m), bool),
                          x=jnp.asarray(np.random.default_rng(0).normal(size=(1, m, cfg.d_model)), params.embed.dtype))
 
-        def step(state: RowState = state, inputs: BlendInputs = inputs) -> None:
+        def step(state: RecomputedRows = state, inputs: BlendInputs = inputs) -> None:
             nonlocal k_pages, v_pages
             out, k_pages, v_pages, _, _ = layer_step(
                 params.layers[layer],
@@ -292,8 +291,8 @@ class LoadingController:
         (``HostPool.throttles``); the recompute cost at ``num_tokens`` tokens."""
         cost = measure_recompute(params, cfg, layout, num_tokens, attn_impl=attn_impl)
         tiers = [TierSpec("device", float("inf"), 0.0, cost_rank=2)]
-        tiers += [measure_tier(layout, name, throttles[name], num_tokens, disk_dir) for name, pages in
-                  (("host", layout.num_host_pages), ("disk", layout.num_disk_pages)) if pages]
+        lower: tuple[tuple[TierName, int], ...] = (("host", layout.num_host_pages), ("disk", layout.num_disk_pages))
+        tiers += [measure_tier(layout, name, throttles[name], num_tokens, disk_dir) for name, pages in lower if pages]
         return cls(tiers, cost.seconds_per_token_layer, layout.bytes_per_token_layer, min_ratio, cost.fixed_s, headroom)
 
     def load_time(self, tier: str, num_tokens: int) -> float:

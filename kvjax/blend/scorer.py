@@ -1,8 +1,8 @@
 """Training the "learned" selector's scorer: a small MLP from check-layer features to "recompute".
 
-The features (``selection.FEATURES``) are what a blended prefill sees at its first check
+The features (``scoring.FEATURES``) are what a blended prefill sees at its first check
 layer: relative K and V deviation, relative attention received from the question rows,
-stored position and position in the prompt (``selection.check_features``; a blended run with
+stored position and position in the prompt (``scoring.check_features``; a blended run with
 probes returns them as ``trace["features"]``). The label of a chunk token is whether the
 oracle would recompute it at ``ratio``: its true deviation (full reuse vs full recompute,
 each layer over its mean, summed) is in the top ``ratio`` share of its prompt.
@@ -10,7 +10,7 @@ each layer over its mean, summed) is in the top ``ratio`` share of its prompt.
 Training minimises class-balanced binary cross-entropy with optax's Adam over every chunk
 token of the training prompts, on standardised features; the standardisation is folded into
 the first layer, so the returned flat parameters score raw features
-(``selection.mlp_score``). Which prompts train it is the caller's decision: they must be
+(``scoring.mlp_score``). Which prompts train it is the caller's decision: they must be
 disjoint from the evaluation prompts.
 """
 
@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax.blend.selection import FEATURES, Roles, mlp_score, target_count
+from kvjax.blend.scoring import FEATURES, mlp_score
+from kvjax.blend.selection import Roles, target_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ def training_set(
 def train_scorer(
     data: TrainingSet, *, hidden: int = 8, steps: int = 400, learning_rate: float = 0.01, seed: int = 0
 ) -> tuple[float, ...]:
-    """Fits the scorer MLP; returns its flat parameters (``selection.mlp_score`` layout).
+    """Fits the scorer MLP; returns its flat parameters (``scoring.mlp_score`` layout).
 
     Args:
       data: the training tokens (both labels present).

@@ -32,11 +32,8 @@ import jax
 import numpy as np
 
 from kvjax.cache.layout import CacheLayout
-from kvjax.cache.page_file import PageFile
+from kvjax.cache.page_file import HostPages, PageFile
 from kvjax.cache.quant import QuantizedPages
-
-HostPages = np.ndarray | QuantizedPages
-"""One group's pages on the host or disk tier (layout above)."""
 
 TierName = Literal["host", "disk"]
 
@@ -200,7 +197,7 @@ class HostPool:
         ``tier`` (``restore`` writes nothing before every pool passed this)."""
         num_pages = self.layout.num_host_pages if tier == "host" else self.layout.num_disk_pages
         mine = self.layout.host_zeros(group, 0)
-        if jax.tree.structure(mine) != jax.tree.structure(saved):
+        if isinstance(mine, QuantizedPages) != isinstance(saved, QuantizedPages):
             raise ValueError(f"saved {tier} pages of group {group} are not {type(mine).__name__}")
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(saved)):
             want = (*a.shape[:2], num_pages, *a.shape[3:])

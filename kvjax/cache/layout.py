@@ -320,4 +320,5 @@ class CacheLayout:
         values = np.zeros((*lead, self.tokens_per_block, self.num_kv_heads, self.head_dim), dtype=self.jnp_dtype)
         if not self.quantized:
             return values
-        return QuantizedPages(values=values, scales=np.zeros((*lead, self.scale_slots, self.num_kv_heads), SCALE_DTYPE))
+        scales = np.zeros((*lead, self.scale_slots, self.num_kv_heads), SCALE_DTYPE)
+        return QuantizedPages(values=values, scales=scales)  # type: ignore[arg-type]  # the host tier's numpy pytree

@@ -19,9 +19,16 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+from collections.abc import Sequence
 
 import jax
 import numpy as np
+
+from kvjax.cache.quant import QuantizedPages
+
+HostPages = np.ndarray | QuantizedPages
+"""One group's pages on the host or disk tier: [2, group_layers, pages, ...] values (the host
+pool's layout, ``kvjax.cache.host_pool``), quantized with their scales."""
 
 _DIGEST_BYTES = 16
 
@@ -44,7 +51,7 @@ class PageFile:
       num_pages: pages in the file (ids 0 .. num_pages - 1).
     """
 
-    def __init__(self, path: pathlib.Path, template: np.ndarray | object, num_pages: int) -> None:
+    def __init__(self, path: pathlib.Path, template: HostPages, num_pages: int) -> None:
         self.path = path
         self.num_pages = num_pages
         self._template = template
@@ -68,11 +75,11 @@ class PageFile:
 
     # ------------------------------------------------------------------ records
 
-    def _record(self, kv: object, i: int) -> bytes:
+    def _record(self, kv: HostPages, i: int) -> bytes:
         """Page ``i`` of ``kv`` (host-pages layout) as one record."""
         return b"".join(np.ascontiguousarray(leaf[:, :, i]).tobytes() for leaf in jax.tree.leaves(kv))
 
-    def _pages(self, records: list[bytes | None], num_pages: int, layer: int | None = None) -> object:
+    def _pages(self, records: Sequence[bytes | None], num_pages: int, layer: int | None = None) -> HostPages:
         """Records as host pages [2, L, num_pages, ...] (missing records and the padding zero);
         with ``layer``, only that layer of the group, [2, 1, num_pages, ...]."""
         layers = slice(None) if layer is None else slice(layer, layer + 1)
@@ -104,7 +111,7 @@ class PageFile:
 
     # ------------------------------------------------------------------ the tier's operations
 
-    def write(self, slots: np.ndarray, kv: object) -> None:
+    def write(self, slots: np.ndarray, kv: HostPages) -> None:
         """Writes page ``i`` of ``kv`` (host-pages layout) to page ``slots[i]``, for every slot."""
         for i, page in enumerate(int(s) for s in slots):
             self._checked.pop(page, None)
@@ -131,7 +138,7 @@ class PageFile:
         self._checked[page] = record
         return True
 
-    def read(self, slots: np.ndarray, num_pages: int, layer: int | None = None) -> object:
+    def read(self, slots: np.ndarray, num_pages: int, layer: int | None = None) -> HostPages:
         """Pages ``slots`` as host pages, zero-padded to ``num_pages`` pages (with ``layer``,
         only that layer of the group); each must have passed ``check`` in this step (or pass
         it now).
@@ -150,11 +157,11 @@ class PageFile:
         """Forgets the records kept by ``check`` (the step's onboards have read them)."""
         self._checked.clear()
 
-    def read_all(self) -> object:
+    def read_all(self) -> HostPages:
         """Every page as host pages (lost or never written pages zero), for a snapshot."""
         return self._pages([self._read_verified(p) for p in range(self.num_pages)], self.num_pages)
 
-    def write_all(self, saved: object) -> None:
+    def write_all(self, saved: HostPages) -> None:
         """Overwrites every page with ``saved`` (host pages of ``num_pages`` pages).
 
         Raises:

@@ -114,7 +114,7 @@ class Engine:
         self.lock = threading.RLock()
         """Held by every entry point; hold it to read or replace the engine's state from outside
         (``kvjax.snapshot``)."""
-        self.timings: collections.Counter = collections.Counter()
+        self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)
         """Cumulative seconds and token counts by phase (see ``docs/engine.md``)."""
         self.recurrent = (RecurrentState(kv_cache_config, self.layout, cfg, scheduler_config.max_batch_size)
                           if cfg.is_hybrid else None)

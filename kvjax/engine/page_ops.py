@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import NULL_PAGE, CacheLayout, HostPool, PagePool, Pages
+from kvjax.cache.host_pool import TierName
 from kvjax.cache.pool import copy_pages, read_pages, write_layer_pages, write_pages
 from kvjax.engine.buckets import pow2_bucket
 from kvjax.manager import PageOp
@@ -83,16 +84,16 @@ class LayerwiseOnboard:
         self.events: list[dict] = []
         self.error: BaseException | None = None
         """The read error the loader stopped on, if any."""
-        self._runs: dict[int, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+        self._runs: dict[int, list[tuple[TierName, np.ndarray, np.ndarray]]] = {}
         """Per group, (tier, source pages, destination pages padded to a power of two with the null page)."""
         for (group, kind), run in itertools.groupby(
             sorted(ops, key=lambda op: (op.group, op.kind)), key=lambda op: (op.group, op.kind)
         ):
-            run = list(run)
-            dst = np.full(pow2_bucket(len(run)), NULL_PAGE, np.int32)
-            dst[: len(run)] = [op.dst for op in run]
+            ops_run = list(run)
+            dst = np.full(pow2_bucket(len(ops_run)), NULL_PAGE, np.int32)
+            dst[: len(ops_run)] = [op.dst for op in ops_run]
             self._runs.setdefault(group, []).append(
-                ("host" if kind == "onboard" else "disk", np.asarray([op.src for op in run]), dst)
+                ("host" if kind == "onboard" else "disk", np.asarray([op.src for op in ops_run]), dst)
             )
         self._next = 0
         self._buffers: queue.Queue = queue.Queue(maxsize=depth)

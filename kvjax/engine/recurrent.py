@@ -34,7 +34,7 @@ from kvjax.engine.outputs import RequestRecord
 from kvjax.engine.scheduler import ScheduledRequest, SchedulerRequest
 from kvjax.manager import hashing
 from kvjax.manager.interface import CacheManager
-from kvjax.manager.state_snapshots import StateSnapshotIndex
+from kvjax.manager.state_snapshots import LiveState, StateSnapshotIndex
 from kvjax.model.config import ModelConfig
 
 
@@ -114,7 +114,7 @@ class RecurrentState:
         """The live slot of each row [rows] int32 (NULL_SLOT for padding rows)."""
         slots = np.full(rows, NULL_SLOT, np.int32)
         for i, w in enumerate(works):
-            slots[i] = self.index.live(w.request_id).slot
+            slots[i] = self._live(w.request_id).slot
         return jnp.asarray(slots)
 
     def read(self, slots: jax.Array) -> jax.Array:
@@ -133,7 +133,7 @@ class RecurrentState:
         copies = []
         for w in works:
             end = w.start + len(w.token_ids)
-            live = self.index.live(w.request_id)
+            live = self._live(w.request_id)
             if not self.index.is_boundary(end, live.prompt_len):
                 continue
             sched = requests[w.request_id].sched
@@ -144,10 +144,17 @@ class RecurrentState:
         if copies:
             self.pool = copy_slots(self.pool, _padded([s for s, _ in copies]), _padded([d for _, d in copies]))
 
+    def _live(self, request_id: str) -> LiveState:
+        """The live state of a request that started (``start``)."""
+        live = self.index.live(request_id)
+        if live is None:
+            raise KeyError(f"request_id={request_id!r} has no live recurrent state; it was not started")
+        return live
+
     def cuts(self, work: ScheduledRequest) -> list[int]:
         """Where a prefill chunk is cut (the snapshot boundaries inside it, then its end)."""
         end = work.start + len(work.token_ids)
-        live = self.index.live(work.request_id)
+        live = self._live(work.request_id)
         return [p for p in self.index.boundaries_in(work.start, end, live.prompt_len) if p < end] + [end]
 
 

@@ -32,9 +32,9 @@ def check_token_ids(token_ids: object, vocab_size: int, field: str = "prompt_tok
     floats, in ``[0, vocab_size)``) plus what a prompt needs besides: not empty, and an array
     only if it is 1-D.
     """
-    if hasattr(token_ids, "ndim") and token_ids.ndim != 1:
-        raise ValueError(f"{field} must be a 1-D sequence of token ids, got shape {token_ids.shape}")
-    ids = hashing.check_token_ids(token_ids, field, vocab_size)
+    if getattr(token_ids, "ndim", 1) != 1:
+        raise ValueError(f"{field} must be a 1-D sequence of token ids, got shape {getattr(token_ids, 'shape', None)}")
+    ids = hashing.check_token_ids(token_ids, field, vocab_size)  # type: ignore[arg-type]  # it checks the type
     if not ids:
         raise ValueError(f"{field} must not be empty")
     return ids
@@ -61,7 +61,7 @@ class ChunkedPrompt(Protocol):
 
     def prefill(
         self, context: StepContext, batch: Sequence[ChunkedWork]
-    ) -> list[tuple[jax.Array, dict | None, object]]:
+    ) -> Sequence[tuple[jax.Array, dict | None, object]]:
         """Runs the prompts of ``batch`` (this request's first, the others with its
         ``batch_key``) on the requests' pages of ``context.pool``; returns per request (the
         last prompt positions' logits [R, V], a trace or None, a report)."""

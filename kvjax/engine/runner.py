@@ -191,7 +191,7 @@ class StepRunner:
         self,
         context: StepContext,
         records: Mapping[str, RequestRecord],
-        timings: collections.Counter,
+        timings: collections.defaultdict[str, float],
         recurrent: RecurrentState | None,
     ) -> None:
         self.context = context
@@ -227,11 +227,12 @@ class StepRunner:
         samples each one's first token."""
         start = time.perf_counter()
         records = [self.records[w.request_id] for w in works]
-        batch = [
-            ChunkedWork(w.request_id, tuple(r.sched.prompt_token_ids), w.start, r.chunks)
-            for w, r in zip(works, records)
-        ]
-        results = records[0].chunks.prefill(self.context, batch)
+        batch = []
+        for w, r in zip(works, records):
+            if r.chunks is None:
+                raise ValueError(f"request {w.request_id!r} has no chunks: the blend runner takes blended ones only")
+            batch.append(ChunkedWork(w.request_id, tuple(r.sched.prompt_token_ids), w.start, r.chunks))
+        results = batch[0].reuse.prefill(self.context, batch)
         for record, (logits, trace, report) in zip(records, results):
             record.prompt_logits, record.blend_trace, record.blend_report = np.asarray(logits), trace, report
         sampled = self.sample(works, jnp.stack([logits[-1] for logits, _, _ in results]))
@@ -252,18 +253,19 @@ class StepRunner:
         rows = inputs.tokens.shape[0]
         samples = any(w.samples for w in works)
         keeps = phase == "prefill" and any(self.records[w.request_id].sampling.prompt_logits for w in works)
-        slots = None if self.recurrent is None else self.recurrent.slots(works, rows)
+        recurrent = self.recurrent
+        slots = None if recurrent is None else recurrent.slots(works, rows)
         logits, ctx.pool, *state = ctx.forward(
             ctx.params, ctx.pool, inputs.tokens, inputs.positions, inputs.block_tables, inputs.lengths,
             cfg=ctx.cfg, layout=ctx.layout, attn_impl=ctx.attn_impl, mesh=ctx.mesh,
             logits_mode="all" if keeps else "last" if samples else "none",
-            state=None if slots is None else self.recurrent.read(slots),
+            state=None if recurrent is None or slots is None else recurrent.read(slots),
         )
         if keeps:
             logits = self._keep_prompt_logits(works, logits)
-        if slots is not None:
-            self.recurrent.write(slots, state[0])
-            self.recurrent.take_snapshots(works, self.records, ctx.manager)
+        if recurrent is not None and slots is not None:
+            recurrent.write(slots, state[0])
+            recurrent.take_snapshots(works, self.records, ctx.manager)
         sampled = self.sample(works, logits) if samples else {}
         jax.block_until_ready(ctx.pool.k[0])
         self._account(phase, start, sum(len(w.token_ids) for w in works))
@@ -280,7 +282,7 @@ class StepRunner:
             if not w.samples:
                 continue
             sampled[w.request_id] = int(tokens[i])
-            if wants_logits[i]:
+            if host_logits is not None and wants_logits[i]:
                 self.records[w.request_id].logits.append(host_logits[i])
         return sampled
 

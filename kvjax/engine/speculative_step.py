@@ -89,12 +89,12 @@ class SpeculativeDecode:
             manager.rollback(w.request_id, slots - (w.start + 1 + a))
             emitted[w.request_id] = draft_tokens[i, :a].tolist() + [int(following[i])]
             record = runner.records[w.request_id]
-            if record.sampling.return_logits:
+            if host_logits is not None and record.sampling.return_logits:
                 record.logits.extend(host_logits[i, : a + 1])
         jax.block_until_ready(ctx.pool.k[0])
         timings = runner.timings
         timings["decode_s"] += time.perf_counter() - start_time
-        timings["decode_tokens"] += sum(len(e) for e in emitted.values())
+        timings["decode_tokens"] += int(accepted[: len(works)].sum()) + len(works)
         timings["decode_steps"] += 1
         timings["spec_rows"] += len(works)
         timings["spec_drafted"] += int(num_drafts.sum())

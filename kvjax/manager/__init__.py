@@ -1,6 +1,7 @@
 """Host-side KV cache manager: block keys, radix tree, priority-LRU eviction, host offload,
 windows, events, and the one interface (``CacheManager``) its two implementations share."""
 
+from kvjax.manager.bookkeeping import ConsistencyError, SnapshotError
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import InternalScope, MultimodalItem, block_key, mm_hash, root_key
 from kvjax.manager.interface import (
@@ -11,7 +12,6 @@ from kvjax.manager.interface import (
     require_tiered,
 )
 from kvjax.manager.manager import KVCacheManager
-from kvjax.manager.state import ConsistencyError, SnapshotError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
 

@@ -33,7 +33,7 @@ from kvjax.manager.hashing import BlockKey, HashedItem
 from kvjax.manager.radix_tree import Block, RadixTree
 from kvjax.manager.retention import ExpiryQueue
 from kvjax.manager.stats import CacheStats
-from kvjax.manager.tiers import PageOp, Tier, should_offload
+from kvjax.manager.tiers import PageOp, PageOpKind, Tier, should_offload
 
 
 class FreeList:
@@ -138,12 +138,12 @@ class BlockPool:
         self.host_free = FreeList(0, self.num_host_pages)
         self.disk_free = FreeList(0, self.num_disk_pages)
         self.tree = RadixTree()
-        self.device_queue = EvictionQueue()
-        self.host_queue = EvictionQueue()
-        self.disk_queue = EvictionQueue()
+        self.device_queue: EvictionQueue[Block] = EvictionQueue()
+        self.host_queue: EvictionQueue[Block] = EvictionQueue()
+        self.disk_queue: EvictionQueue[Block] = EvictionQueue()
         self.num_free_cached = 0
         """Tree blocks on the device with ref_count 0 (all eventually evictable)."""
-        self.expiry = ExpiryQueue()
+        self.expiry: ExpiryQueue[Block] = ExpiryQueue()
         """Blocks whose retention priority expires."""
 
     # ------------------------------------------------------------------ capacity
@@ -210,7 +210,7 @@ class BlockPool:
         """Keeps the parent's ``device_children`` count (full groups only) and its queue entry."""
         if not self.tree_rule:
             return
-        parent = self.tree.blocks.get(block.parent_key)
+        parent = self.tree.get(block.parent_key)
         if parent is not None:
             parent.device_children += delta
             self.requeue(parent)
@@ -408,7 +408,7 @@ class BlockPool:
         assert block.tier is not Tier.DEVICE
         self._unqueue(block)
         page = self.take_device_page()
-        kind = "onboard" if block.tier is Tier.HOST else "onboard_disk"
+        kind: PageOpKind = "onboard" if block.tier is Tier.HOST else "onboard_disk"
         self.ops.append(PageOp(kind, self.group, block.page, page))
         self._count_onboard(block.tier)
         self._free_pages(block.tier).append(block.page)
@@ -433,7 +433,7 @@ class BlockPool:
             self.stats.copied_pages += 1
             self.stats.copied_bytes += self.bytes_per_page
         else:
-            kind = "onboard" if source.tier is Tier.HOST else "onboard_disk"
+            kind: PageOpKind = "onboard" if source.tier is Tier.HOST else "onboard_disk"
             self.ops.append(PageOp(kind, self.group, source.page, block.page))
             self._count_onboard(source.tier)
         return block

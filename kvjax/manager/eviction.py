@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 _SERIALS = itertools.count(1)
 """Entry serials, unique across all queues so a block moving between tiers can never match
@@ -28,19 +28,22 @@ class Queueable(Protocol):
     """Serial of the block's live entry; -1 when it is in no queue."""
 
 
-class EvictionQueue:
+QueuedT = TypeVar("QueuedT", bound=Queueable)
+
+
+class EvictionQueue(Generic[QueuedT]):
     """The evictable blocks of one tier of one layer group."""
 
     __slots__ = ("_heap", "_live")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Queueable]] = []
+        self._heap: list[tuple[int, int, int, QueuedT]] = []
         self._live = 0
 
     def __len__(self) -> int:
         return self._live
 
-    def push(self, block: Queueable) -> None:
+    def push(self, block: QueuedT) -> None:
         """Adds a block that is in no queue; its position follows (priority, last_used)."""
         assert block.queue_serial < 0, "block is already queued"
         serial = next(_SERIALS)
@@ -51,13 +54,13 @@ class EvictionQueue:
             self._heap = [e for e in self._heap if e[3].queue_serial == e[2]]
             heapq.heapify(self._heap)
 
-    def discard(self, block: Queueable) -> None:
+    def discard(self, block: QueuedT) -> None:
         """Removes a queued block (its entry goes stale)."""
         assert block.queue_serial >= 0, "block is not queued"
         block.queue_serial = -1
         self._live -= 1
 
-    def pop(self) -> Queueable | None:
+    def pop(self) -> QueuedT | None:
         """Removes and returns the next victim, or None when the queue is empty."""
         heap = self._heap
         while heap:
@@ -68,7 +71,7 @@ class EvictionQueue:
                 return block
         return None
 
-    def ordered(self) -> list[Queueable]:
+    def ordered(self) -> list[QueuedT]:
         """The queued blocks in eviction order (O(n log n); snapshots and tests)."""
         live = [e for e in self._heap if e[3].queue_serial == e[2]]
         return [e[3] for e in sorted(live, key=lambda e: e[:3])]

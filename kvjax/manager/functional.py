@@ -36,6 +36,8 @@ block to a request, as a shared digest would in the host manager.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -211,7 +213,8 @@ def evict_lru(state: PageState, count: jax.Array) -> PageState:
     evict = candidate & (rank < count)
     slots = jnp.where(evict, state.index_slot, state.index.shape[0])
     position = state.num_free + jnp.cumsum(evict) - 1
-    return state.replace(
+    return dataclasses.replace(
+        state,
         index=state.index.at[slots].set(TOMBSTONE, mode="drop"),
         index_slot=jnp.where(evict, _NO_PAGE, state.index_slot),
         indexed=state.indexed & ~evict,
@@ -234,7 +237,8 @@ def take_pages(state: PageState, need: jax.Array) -> tuple[PageState, jax.Array,
     state = evict_lru(state, jnp.maximum(m - state.num_free, 0))
     rank = jnp.cumsum(need) - 1
     pages = jnp.where(need, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)], NULL_PAGE)
-    state = state.replace(
+    state = dataclasses.replace(
+        state,
         num_free=state.num_free - m,
         ref_counts=state.ref_counts.at[pages].add(need.astype(jnp.int32)),
     )
@@ -253,7 +257,8 @@ def allocate(state: PageState, row: jax.Array, num_tokens: jax.Array) -> tuple[P
     target = (num_tokens + state.tokens_per_block - 1) // state.tokens_per_block
     need = (j >= held) & (j < target)
     new, pages, ok = take_pages(state, need)
-    new = new.replace(
+    new = dataclasses.replace(
+        new,
         block_tables=new.block_tables.at[row].set(jnp.where(need, pages, new.block_tables[row])),
         num_blocks=new.num_blocks.at[row].set(jnp.maximum(held, target)),
         seq_lens=new.seq_lens.at[row].set(jnp.maximum(new.seq_lens[row], num_tokens)),
@@ -277,7 +282,8 @@ def append_tokens(state: PageState, active: jax.Array) -> tuple[PageState, jax.A
     need = active & (position == state.num_blocks * state.tokens_per_block)
     state, pages, ok = take_pages(state, need)
     column = jnp.where(need, state.num_blocks, state.max_blocks)
-    state = state.replace(
+    state = dataclasses.replace(
+        state,
         block_tables=state.block_tables.at[rows, column].set(pages, mode="drop"),
         num_blocks=state.num_blocks + need,
         seq_lens=state.seq_lens + active,
@@ -288,7 +294,8 @@ def append_tokens(state: PageState, active: jax.Array) -> tuple[PageState, jax.A
 def _insert(state: PageState, page: jax.Array, hi: jax.Array, lo: jax.Array) -> PageState:
     mask = state.index.shape[0] - 1
     slot = jax.lax.while_loop(lambda s: state.index[s] >= 0, lambda s: (s + 1) & mask, _home(state, lo))
-    return state.replace(
+    return dataclasses.replace(
+        state,
         index=state.index.at[slot].set(page),
         index_slot=state.index_slot.at[page].set(slot),
         indexed=state.indexed.at[page].set(True),
@@ -327,7 +334,8 @@ def acquire_prefix(state: PageState, row: jax.Array, pages: jax.Array, num_match
     j = jnp.arange(pages.shape[0])
     take = j < num_matched
     table = state.block_tables[row].at[j].set(jnp.where(take, pages, NULL_PAGE))
-    return state.replace(
+    return dataclasses.replace(
+        state,
         ref_counts=state.ref_counts.at[jnp.where(take, pages, state.num_pages)].add(1, mode="drop"),
         block_tables=state.block_tables.at[row].set(table),
         num_blocks=state.num_blocks.at[row].set(num_matched),
@@ -350,7 +358,8 @@ def free_row(state: PageState, row: jax.Array) -> PageState:
     last_use = state.last_use.at[target].set(state.clock + count - 1 - j, mode="drop")
     freed = held & (ref_counts[pages] == 0) & ~state.indexed[pages]
     position = state.num_free + jnp.cumsum(freed) - 1
-    return state.replace(
+    return dataclasses.replace(
+        state,
         ref_counts=ref_counts,
         last_use=last_use,
         clock=state.clock + count,

@@ -6,8 +6,9 @@ engine calls ``allocate``, executes ``take_page_ops()`` in order, runs the forwa
 
 Its parts, one concern each: ``sequence`` (the record of one request), ``planning`` (which
 cached blocks a prompt can reuse, ``add_request``'s plan), ``block_pool`` (one layer group's
-pages, tree, tiers and eviction) and ``state`` (snapshots of this manager, read and restored
-through its snapshot API: ``sequences``, ``tick``, ``event_buffer``, ``pending_page_ops``).
+pages, tree, tiers and eviction) and ``bookkeeping`` (this manager's state as plain data and
+its invariants, read and restored through its snapshot API: ``sequences``, ``tick``,
+``event_buffer``, ``pending_page_ops``).
 Blocks entirely before a windowed group's window are released as the sequence grows (a
 windowed layer's memory is bounded by its window, not the sequence) and show ``NULL_PAGE``
 in the block table.
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvjax.cache import NULL_PAGE, CacheLayout
 from kvjax.config import DEFAULT_PRIORITY, KvCacheConfig, KvCacheRetentionConfig, as_retention_config
-from kvjax.manager import state
+from kvjax.manager import bookkeeping
 from kvjax.manager.block_pool import BlockPool
 from kvjax.manager.events import EventBuffer, KVCacheEvent
 from kvjax.manager.hashing import (
@@ -373,9 +374,10 @@ class KVCacheManager(LayoutGeometry):
             pool, blocks = self.pools[g], seq.blocks[g]
             first = min(first_in_window(pool, n1), len(blocks))
             for b in range(seq.first_held[g], first):
-                if blocks[b] is not None:
+                held = blocks[b]
+                if held is not None:
                     self._tick += 1
-                    pool.release(blocks[b], self._tick)
+                    pool.release(held, self._tick)
                     blocks[b] = None
             seq.first_held[g] = max(seq.first_held[g], first)
 
@@ -397,6 +399,7 @@ class KVCacheManager(LayoutGeometry):
         for pool, blocks in zip(self.pools, seq.blocks):
             while len(blocks) > num_blocks:
                 block = blocks.pop()
+                assert block is not None, "a slot past the committed tokens is held"
                 self._tick += 1
                 pool.release(block, self._tick)
 
@@ -470,7 +473,7 @@ class KVCacheManager(LayoutGeometry):
 
     @property
     def sequences(self) -> Mapping[str, SequenceRecord]:
-        """The active requests' records by id (a read-only view; ``kvjax.manager.state``)."""
+        """The active requests' records by id (a read-only view; ``kvjax.manager.bookkeeping``)."""
         return types.MappingProxyType(self._sequences)
 
     @property
@@ -488,8 +491,8 @@ class KVCacheManager(LayoutGeometry):
         return list(self._ops)
 
     def state_dict(self) -> dict:
-        """The whole host state as JSON-compatible data (see ``kvjax.manager.state``)."""
-        return state.state_dict(self)
+        """The whole host state as JSON-compatible data (see ``kvjax.manager.bookkeeping``)."""
+        return bookkeeping.state_dict(self)
 
     @classmethod
     def from_state_dict(
@@ -505,18 +508,18 @@ class KVCacheManager(LayoutGeometry):
         Raises:
           SnapshotError: wrong format version, a different config or layout, or damaged contents.
         """
-        state.check_header(state_dict)
+        bookkeeping.check_header(state_dict)
         mgr = cls(config, layout, clock=clock)
-        resumed = state.restore(mgr, state_dict)
+        resumed = bookkeeping.restore(mgr, state_dict)
         mgr._sequences.update((seq.request_id, seq) for seq in resumed.sequences)
         mgr._tick = resumed.tick
         mgr._ops.extend(resumed.page_ops)
-        state.check_restored(mgr)
+        bookkeeping.check_restored(mgr)
         return mgr
 
     def check_consistency(self) -> None:
         """Raises ConsistencyError if any bookkeeping invariant is broken (O(cache size))."""
-        state.check_consistency(self)
+        bookkeeping.check_consistency(self)
 
     # ================================================================== internals: validation
 

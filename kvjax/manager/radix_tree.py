@@ -77,16 +77,17 @@ class RadixTree:
     def get(self, key: BlockKey | None) -> Block | None:
         return None if key is None else self.blocks.get(key)
 
-    def children(self, key: BlockKey) -> dict[BlockKey, Block]:
-        """Cached blocks whose parent key is ``key`` (a root key gives first blocks). Do not mutate."""
-        return self._children.get(key, _EMPTY)
+    def children(self, key: BlockKey | None) -> dict[BlockKey, Block]:
+        """Cached blocks whose parent key is ``key`` (a root key gives first blocks; a private
+        block's None key none). Do not mutate."""
+        return _EMPTY if key is None else self._children.get(key, _EMPTY)
 
-    def children_starting_with(self, key: BlockKey, token: int) -> dict[BlockKey, Block]:
+    def children_starting_with(self, key: BlockKey | None, token: int) -> dict[BlockKey, Block]:
         """Cached children of ``key`` whose first token is ``token``. Do not mutate."""
-        return self._by_first_token.get((key, token), _EMPTY)
+        return _EMPTY if key is None else self._by_first_token.get((key, token), _EMPTY)
 
-    def has_children(self, key: BlockKey) -> bool:
-        return key in self._children
+    def has_children(self, key: BlockKey | None) -> bool:
+        return key is not None and key in self._children
 
     def insert(
         self,
@@ -105,26 +106,26 @@ class RadixTree:
 
     def replace(self, old: Block, new: Block) -> None:
         """Puts private ``new`` in place of tree block ``old`` (same key); children stay attached."""
-        key = old.key
-        assert key is not None and self.blocks.get(key) is old
+        key, parent = old.key, old.parent_key
+        assert key is not None and parent is not None and self.blocks.get(key) is old
         new.key, new.parent_key, new.token_ids, new.items, new.index = (
             key, old.parent_key, old.token_ids, old.items, old.index
         )
         self.blocks[key] = new
-        self._children[old.parent_key][key] = new
-        self._by_first_token[(old.parent_key, old.token_ids[0])][key] = new
+        self._children[parent][key] = new
+        self._by_first_token[(parent, old.token_ids[0])][key] = new
         old.key = None
 
     def remove(self, block: Block) -> None:
         """Makes a tree block private again (its children, if any, keep their parent key)."""
-        key = block.key
-        assert key is not None and self.blocks.get(key) is block
+        key, parent = block.key, block.parent_key
+        assert key is not None and parent is not None and self.blocks.get(key) is block
         del self.blocks[key]
-        siblings = self._children[block.parent_key]
+        siblings = self._children[parent]
         del siblings[key]
         if not siblings:
-            del self._children[block.parent_key]
-        first = (block.parent_key, block.token_ids[0])
+            del self._children[parent]
+        first = (parent, block.token_ids[0])
         twins = self._by_first_token[first]
         del twins[key]
         if not twins:

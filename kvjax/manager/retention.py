@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from kvjax.config import DEFAULT_PRIORITY, KvCacheRetentionConfig
 
@@ -67,7 +67,10 @@ class _Expirable(Protocol):
     expiry: float | None
 
 
-class ExpiryQueue:
+ExpirableT = TypeVar("ExpirableT", bound=_Expirable)
+
+
+class ExpiryQueue(Generic[ExpirableT]):
     """Blocks whose priority expires, ordered by expiry time (seconds on the manager's clock).
 
     Entries go stale when a block's expiry is reset or the block leaves the cache; a stale
@@ -78,18 +81,18 @@ class ExpiryQueue:
     __slots__ = ("_heap", "_serial")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, _Expirable]] = []
+        self._heap: list[tuple[float, int, ExpirableT]] = []
         self._serial = itertools.count()
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push(self, block: _Expirable) -> None:
+    def push(self, block: ExpirableT) -> None:
         """Tracks ``block``, whose ``expiry`` must be set."""
         assert block.expiry is not None
         heapq.heappush(self._heap, (block.expiry, next(self._serial), block))
 
-    def pop_expired(self, now: float, alive: Callable[[_Expirable], bool]) -> Iterator[_Expirable]:
+    def pop_expired(self, now: float, alive: Callable[[ExpirableT], bool]) -> Iterator[ExpirableT]:
         """Yields, in expiry order, the live blocks whose expiry is <= ``now``."""
         heap = self._heap
         while heap and heap[0][0] <= now:
@@ -97,7 +100,7 @@ class ExpiryQueue:
             if block.expiry == expiry and alive(block):
                 yield block
 
-    def compact(self, alive: Callable[[_Expirable], bool]) -> None:
+    def compact(self, alive: Callable[[ExpirableT], bool]) -> None:
         """Drops stale entries; the caller runs it when the heap outgrows the live blocks."""
         self._heap = [e for e in self._heap if e[2].expiry == e[0] and alive(e[2])]
         heapq.heapify(self._heap)

@@ -109,7 +109,7 @@ class StateSnapshotIndex:
         self._events: EventBuffer | None = None
         self._group = 0
         self._is_cached: Callable[[BlockKey], bool] = lambda key: True
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         """Counters: stored, evicted, orphans_evicted, dropped_turns, restored."""
 
     def bind(self, events: EventBuffer, group: int, is_cached: Callable[[BlockKey], bool]) -> None:

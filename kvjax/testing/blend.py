@@ -1,4 +1,4 @@
-"""Random blended prompts and small engine-backed Blenders for CacheBlend tests (tiny models)."""
+"""Random blended prompts, small engines and blended submissions for CacheBlend tests (tiny models)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pathlib
 import numpy as np
 from jax.sharding import Mesh
 
-from kvjax.blend.blender import Blender, BlendPrompt
-from kvjax.blend.chunk_store import ChunkStore, Variant
+from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import ChunkReuse
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.blend.selection import SelectionConfig
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
@@ -23,7 +23,10 @@ def random_prompt(
     rng: np.random.Generator, vocab: int, prefix_len: int, chunk_lens: list[int], suffix_len: int
 ) -> BlendPrompt:
     """A prompt of uniform random token ids in [3, vocab) with the given part lengths."""
-    draw = lambda n: tuple(int(t) for t in rng.integers(3, vocab, n))
+
+    def draw(n: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(3, vocab, n))
+
     return BlendPrompt(prefix=draw(prefix_len), chunks=tuple(draw(n) for n in chunk_lens), suffix=draw(suffix_len))
 
 
@@ -44,23 +47,6 @@ def tiny_engine(
         model, KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=max_tokens, event_buffer_max_size=10_000),
         SchedulerConfig(max_num_tokens=4096, prefill_chunk_size=4096), max_seq_len=max_seq_len, mesh=mesh,
     )
-
-
-def make_blender(
-    cfg: ModelConfig, params: Params, prompt: BlendPrompt, *, variant: Variant = "system", max_tokens: int = 512,
-    mesh: Mesh | None = None,
-) -> Blender:
-    """A Blender over a fresh engine and store holding ``prompt``'s chunks (16-token pages, 64-token buckets).
-
-    Args:
-      max_tokens: the engine's ``max_seq_len`` (longest prompt plus continuation).
-      mesh: the device mesh the engine is sharded over (None = one device).
-    """
-    store = ChunkStore(tiny_engine(cfg, params, max_seq_len=max_tokens, mesh=mesh), variant=variant,
-                       prefix_tokens=prompt.prefix)
-    for chunk in prompt.chunks:
-        store.put(chunk)
-    return Blender(store, token_bucket=64)
 
 
 def submit_blended(store: ChunkStore, prompt: BlendPrompt, selection: SelectionConfig, sampling: SamplingParams) -> str:

@@ -19,6 +19,7 @@ def byte_tokenizer(chat: bool) -> Tokenizer:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL))
     bos, _, im_end = (backend.token_to_id(t) for t in SPECIAL)
+    assert bos is not None and im_end is not None, "the special tokens were just added"
     return Tokenizer(
         backend=backend, bos_id=bos, eos_ids=(im_end,) if chat else (), add_bos=not chat,
         chat_format="chatml" if chat else None, default_system=None,

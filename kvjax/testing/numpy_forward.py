@@ -9,6 +9,7 @@ model runs a chunked form).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -74,11 +75,14 @@ def recurrent_layer_numpy(
     Returns:
       (normed per-head outputs [T, H, d], state after the last token [H, d, d]).
     """
-    p = lambda a: np.asarray(a, dtype=dtype)
+
+    def p(a: Any) -> np.ndarray:
+        return np.asarray(a, dtype=dtype)
+
     heads, d = cfg.num_heads, cfg.head_dim
     z = h @ p(lp.decay_w) + p(lp.decay_bias)  # [T, H]
     decay = np.exp(-np.logaddexp(0.0, z))  # exp(-softplus(z))
-    out = np.zeros((h.shape[0], heads, d), dtype)
+    out: np.ndarray = np.zeros((h.shape[0], heads, d), dtype)
     state = state.astype(dtype).copy()
     for t in range(h.shape[0]):
         q = (h[t] @ p(lp.wq)).reshape(heads, d)
@@ -94,7 +98,10 @@ def numpy_logits(
     params: Params, cfg: ModelConfig, tokens: np.ndarray, dtype: type = np.float64, rows: np.ndarray | None = None
 ) -> np.ndarray:
     """Logits [T, V] of one sequence of tokens [T] at positions 0..T-1 (only ``rows`` if given)."""
-    p = lambda a: np.asarray(a, dtype=dtype)
+
+    def p(a: Any) -> np.ndarray:
+        return np.asarray(a, dtype=dtype)
+
     x = p(params.embed)[np.asarray(tokens)]
     if cfg.embed_scale:
         x = x * np.sqrt(cfg.d_model)

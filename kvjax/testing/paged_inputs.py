@@ -86,7 +86,7 @@ def make_inputs(
             positions[s, : len(chunk)] = chunk
         elif length > 0:
             count = min(length, max(1, num_queries - 1))
-            picks = rng.choice(length - 1, size=count - 1, replace=False) if count > 1 else []
+            picks = rng.choice(length - 1, size=count - 1, replace=False) if count > 1 else np.zeros(0, int)
             positions[s, :count] = rng.permutation(np.append(picks, length - 1))
         valid = positions[s][positions[s] >= 0]
         first_needed = 0
@@ -158,7 +158,7 @@ def quantize_inputs(inputs: PagedInputs, dtype: str, granularity: str) -> Quanti
                 absmax_scale(jnp.asarray(clean.transpose(0, 2, 1, 3).reshape(*raw.shape[::2], -1)), storage)
             )
             scales = scales[:, None, :]  # [P, 1, h]
-            scales[poison.all((1, 3))[:, None, :]] = np.nan
+            scales[np.asarray(poison.all((1, 3)))[:, None, :]] = np.nan
         values = np.asarray(quantize(jnp.asarray(clean), jnp.asarray(np.nan_to_num(scales, nan=1.0)), storage))
         if storage == jnp.float8_e4m3fn:
             values = values.copy()

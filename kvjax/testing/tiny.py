@@ -29,10 +29,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: jnp.dtype = jnp.float32)
         return (1.0 + 0.1 * jax.random.normal(key, (n,))).astype(dtype)
 
     d, hd = cfg.d_model, cfg.head_dim
-    layers = []
+    layers: list[LayerParams] = []
     for layer_key in jax.random.split(key, cfg.num_layers):
         ks = jax.random.split(layer_key, 13)
-        optional = {}
+        optional: dict[str, jax.Array] = {}
         if cfg.qk_norm:
             optional.update(q_norm=norm_weight(ks[9], hd), k_norm=norm_weight(ks[10], hd))
         if cfg.sandwich_norm:

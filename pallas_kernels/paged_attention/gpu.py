@@ -125,7 +125,7 @@ def paged_attention(
         q, None, k_pages, v_pages, lengths, page_indices,
         sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
     )
-    scale_args = () if k_scales is None else (k_scales, v_scales)
+    scale_args = () if k_scales is None or v_scales is None else (k_scales, v_scales)
     num_seqs, num_heads, head_dim = q.shape
     num_pages, tokens_per_block, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]

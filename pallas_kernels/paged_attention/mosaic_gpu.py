@@ -53,11 +53,11 @@ from pallas_kernels.tuned_sizes import block_sizes
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # a jax without Mosaic GPU
-    plgpu = None
+    plgpu = None  # type: ignore[assignment]  # checked by available()
 try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 except ImportError:  # a jax without the GPU interpreter
-    InterpretGPUParams = None
+    InterpretGPUParams = None  # type: ignore[assignment,misc]  # checked before use
 
 WGMMA_ROWS = 64
 """wgmma's M: query rows are padded to a multiple of this."""

@@ -113,7 +113,7 @@ def partial_attention(
         q, q_positions, k_pages, v_pages, lengths, page_indices,
         sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
     )
-    scale_args = () if k_scales is None else (k_scales, v_scales)
+    scale_args = () if k_scales is None or v_scales is None else (k_scales, v_scales)
     num_seqs, num_queries, num_heads, head_dim = q.shape
     num_pages, tokens_per_block, num_kv_heads, _ = k_pages.shape
     tuned = block_sizes("gpu", "partial")

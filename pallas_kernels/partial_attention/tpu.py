@@ -19,6 +19,7 @@ into ``[2, pages_per_block, tokens_per_block or 1]`` buffers and folded into the
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,7 @@ def _kernel(
         k_vmem_buffer, v_vmem_buffer; k_scale_vmem_buffer, v_scale_vmem_buffer
         [2, pages_per_block, tokens_per_block or 1]; sems [4, 2] (k, v, k scales, v scales; slot)
     """
+    pairs: tuple[tuple[Any, Any], ...]  # (HBM ref, VMEM buffer) of every array copied in
     if quantized:
         (k_scales_hbm_ref, v_scales_hbm_ref, o_ref, k_vmem_buffer, v_vmem_buffer,
          k_scale_vmem_buffer, v_scale_vmem_buffer, sems) = refs
@@ -207,8 +209,8 @@ def partial_attention(
         pltpu.VMEM((2, pages_per_block, tokens_per_block, head_dim), k_pages.dtype),
         pltpu.VMEM((2, pages_per_block, tokens_per_block, head_dim), v_pages.dtype),
     ]
-    scale_args = ()
-    if quantized:
+    scale_args: tuple[jax.Array, ...] = ()
+    if k_scales is not None and v_scales is not None:
         scale_slots = k_scales.shape[1]
         scratch += [pltpu.VMEM((2, pages_per_block, scale_slots), jnp.float32)] * 2
         scale_args = (k_scales, v_scales)

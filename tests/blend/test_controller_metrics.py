@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from experiments import statistics
 from kvjax import metrics
 from kvjax.blend.loading_controller import LoadingController, TierSpec, measure_recompute, measure_tier
 from kvjax.cache import CacheLayout, TierThrottle
@@ -135,7 +136,7 @@ def test_deviation_statistics():
     share = metrics.top_share(dev, 0.15)
     assert np.allclose(share, np.arange(85, 100).sum() / np.arange(100).sum())
     assert metrics.recall([1, 2, 3], [2, 3, 4, 5]) == 0.5
-    mean, lo, hi = metrics.bootstrap_ci(np.arange(20.0), num=500)
+    mean, lo, hi = statistics.bootstrap_ci(np.arange(20.0), num=500)
     assert lo < mean < hi
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from experiments.workloads.rag import make_examples
 from kvjax.blend import selection
-from kvjax.blend.blender import BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
 from kvjax.sampling import SamplingParams

@@ -9,11 +9,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvjax.blend.blender import FULL_RECOMPUTE
+from experiments.blender import FULL_RECOMPUTE, make_blender
 from kvjax.blend.engine_blend import ChunkReuse
 from kvjax.blend.selection import SelectionConfig, target_count
 from kvjax.sampling import SamplingParams
-from kvjax.testing.blend import make_blender, random_prompt, submit_blended
+from kvjax.testing.blend import random_prompt, submit_blended
 
 RTOL = 1e-5
 ALL = SelectionConfig(selector="all", row_bucket=16)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvjax.blend.blender import FULL_RECOMPUTE, Blender
+from experiments.blender import FULL_RECOMPUTE, Blender
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.selection import SelectionConfig
 from kvjax.config import KvCacheConfig, SchedulerConfig

@@ -10,12 +10,13 @@ import dataclasses
 import numpy as np
 import pytest
 
+from experiments.blender import FULL_RECOMPUTE, Blender, make_blender
 from kvjax.blend import selection
-from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import ChunkReuse
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.sampling import SamplingParams
-from kvjax.testing.blend import make_blender, random_prompt, submit_blended, tiny_engine
+from kvjax.testing.blend import random_prompt, submit_blended, tiny_engine
 from kvjax.testing.tiny import tiny_model
 
 RTOL = 1e-5

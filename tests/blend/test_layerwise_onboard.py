@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from kvjax.blend import selection
-from kvjax.blend.blender import BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import ChunkReuse
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine, RequestOutput
 from kvjax.sampling import SamplingParams

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from experiments.blender import FULL_RECOMPUTE, Blender
 from experiments.policies import SELECTOR_POLICIES
 from experiments.workloads.rag import make_examples
-from kvjax.blend.blender import FULL_RECOMPUTE, Blender, BlendPrompt
 from kvjax.blend.chunk_store import ChunkStore
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.blend.selection import SelectionConfig, target_count
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
@@ -102,7 +103,7 @@ def test_query_aware_fused_at_ratio_one_reproduces_full_recompute(setup):
 def test_an_extension_continues_the_runs_fused_kv(smollm2):
     """Teacher forcing through an ordinary request on a run's committed blocks gives the logits
     of feeding the tokens inside the blended request itself, and the same greedy tokens."""
-    from kvjax.blend.blender import Extension
+    from experiments.blender import Extension
 
     ex = make_examples(
         smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
@@ -128,7 +129,7 @@ def test_an_extension_continues_the_runs_fused_kv(smollm2):
 def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
     """When the prompt fills its last page, the run's blocks serve every prompt token: the
     extension computes only the fed rows, and the logits after the prompt are the run's own."""
-    from kvjax.blend.blender import Extension
+    from experiments.blender import Extension
 
     ex = make_examples(
         smollm2.tokenizer, num=1, seed=6, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
@@ -152,7 +153,7 @@ def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_k
     """Chunk tokens in the prompt's last partial page: the run decodes until that page is
     committed, and the extension takes every chunk token from it by partial reuse, so teacher
     forcing and the greedy answer equal feeding the tokens inside the blended request."""
-    from kvjax.blend.blender import Extension
+    from experiments.blender import Extension
 
     ex = make_examples(
         smollm2.tokenizer, num=1, seed=7, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
@@ -188,7 +189,7 @@ def test_extensions_sharing_fed_tokens_get_every_logit_from_whoever_computed_it(
     """Two extensions of one run whose fed tokens start alike: the second is deferred until
     the first has committed the page they share (prefix-aware scheduling) and reuses it past
     the prompt; its logits there come from the first, and equal feeding inside the run."""
-    from kvjax.blend.blender import Extension
+    from experiments.blender import Extension
 
     ex = make_examples(
         smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
@@ -219,7 +220,7 @@ def test_extensions_of_runs_of_other_policies_never_take_each_others_logits(smol
     # decodes one token into its last page (n = 15 mod 16); an answer starting with that token,
     # teacher-forced behind each run in one extend, reuses the run's page past the prompt and
     # must take that position's logits from its own run, equal to feeding it inside the run.
-    from kvjax.blend.blender import Extension
+    from experiments.blender import Extension
 
     ex = make_examples(
         smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)

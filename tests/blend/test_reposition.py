@@ -9,10 +9,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.blender import make_blender
 from kvjax.blend.reposition import reposition_keys
 from kvjax.blend.selection import SelectionConfig
 from kvjax.model import transformer
-from kvjax.testing.blend import make_blender, random_prompt
+from kvjax.testing.blend import random_prompt
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 

@@ -8,21 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from experiments.blender import FULL_RECOMPUTE, make_blender
 from kvjax.blend import scorer
-from kvjax.blend.blender import FULL_RECOMPUTE
-from kvjax.blend.selection import (
-    FEATURES,
-    SCHEDULE_SELECTORS,
-    Roles,
-    SelectionConfig,
-    mlp_score,
-    plan,
-    received_attention,
-    row_capacity,
-    target_count,
-)
+from kvjax.blend.scoring import FEATURES, mlp_score, received_attention
+from kvjax.blend.selection import SCHEDULE_SELECTORS, Roles, SelectionConfig, plan, row_capacity, target_count
 from kvjax.config import ConfigError
-from kvjax.testing.blend import make_blender, random_prompt
+from kvjax.testing.blend import random_prompt
 
 RATIO = 0.2
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import cacheblend_rag
-from experiments import cacheblend, cacheblend_eval, cacheblend_report
+from experiments import cacheblend, cacheblend_eval, cacheblend_report, report
 from experiments.cacheblend_report import RECORDS, read_lines
 from kvjax.testing.byte_tokenizer import byte_tokenizer
 
@@ -144,8 +144,8 @@ def test_a_piece_commits_its_run_folder_and_nothing_else(tmp_path):
     run = tmp_path / "docs" / "results" / "run"
     run.mkdir(parents=True)
     (run / "per_prompt.jsonl").write_text('{"index": 0}\n')
-    cacheblend._commit(run, "Results: piece 0")
+    report.commit_folder(run, "Results: piece 0")
     assert git("log", "--format=%s").strip() == "Results: piece 0"
     assert git("show", "--name-only", "--format=").split() == ["docs/results/run/per_prompt.jsonl"]
     with pytest.raises(RuntimeError, match="piece.commit: git commit"):
-        cacheblend._commit(run, "nothing new")  # nothing to commit: git's message is carried
+        report.commit_folder(run, "nothing new")  # nothing to commit: git's message is carried

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from experiments import cacheblend_eval as ev
+from experiments import statistics
 from experiments.timing import compilations_during
 from experiments.workloads.rag import RagExample
 from kvjax import metrics
@@ -111,11 +112,11 @@ def test_significance_needs_the_interval_and_a_difference_above_the_tolerance():
 
 def test_bootstrap_statistic_of_a_ratio_of_means():
     a, b = np.asarray([1.0, 2.0, 3.0, 4.0]), np.full(4, 2.0)
-    value, lo, hi = metrics.bootstrap_statistic((a, b), lambda x, y: x.mean(-1) / y.mean(-1), num=500)
+    value, lo, hi = statistics.bootstrap_statistic((a, b), lambda x, y: x.mean(-1) / y.mean(-1), num=500)
     assert value == pytest.approx(1.25) and lo < value < hi
-    assert metrics.bootstrap_statistic((a, a), lambda x, y: x.mean(-1) / y.mean(-1), num=100) == (1.0, 1.0, 1.0)
+    assert statistics.bootstrap_statistic((a, a), lambda x, y: x.mean(-1) / y.mean(-1), num=100) == (1.0, 1.0, 1.0)
     with pytest.raises(ValueError, match="same prompts"):
-        metrics.bootstrap_statistic((a, b[:3]), lambda x, y: x.mean(-1))
+        statistics.bootstrap_statistic((a, b[:3]), lambda x, y: x.mean(-1))
 
 
 def test_recovered_share_has_an_interval_and_speedup_is_a_ratio_of_total_ttft():

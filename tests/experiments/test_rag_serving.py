@@ -126,12 +126,20 @@ def _records(path: pathlib.Path) -> list[dict[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_tiny_preset_serves_the_stream_under_every_policy(tmp_path):
+def test_tiny_preset_serves_the_stream_under_every_policy_in_pieces(tmp_path):
     from configs import rag_serving as rag_serving_config
     from experiments import rag_serving
 
     config = rag_serving_config.get_config("tiny")
-    results = rag_serving.run(config, tmp_path)
+    config.piece.max_runs = 2
+    assert rag_serving.run(config, tmp_path) == {"runs_left": list(config.runs[2:])}  # the first piece
+    config.piece.max_runs = 0
+    results = rag_serving.run(config, tmp_path)  # the second serves the two runs left, then the summary
+    assert json.dumps(rag_serving.run(config, tmp_path), default=str) == json.dumps(results, default=str)
+    other = rag_serving_config.get_config("tiny")
+    other.serving.max_new_tokens = 5
+    with pytest.raises(ValueError, match=r"holds run 'no_reuse/lru/device' of another config \(fields \['serving'\]"):
+        rag_serving.run(other, tmp_path)
     steady = {row["run"]: row for row in results["steady"]}
     assert list(steady) == list(config.runs)
     for row in steady.values():

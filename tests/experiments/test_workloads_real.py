@@ -13,6 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 
+from experiments import statistics
 from experiments.workloads import datasets, gold_scores, niah, rag, squad
 from experiments.workloads.frame import chunk_tokens, document_prefix, in_split
 from kvjax import metrics
@@ -78,10 +79,10 @@ def test_niah_retrieval():
 
 
 def test_paired_bootstrap_ci():
-    mean, lo, hi = metrics.paired_bootstrap_ci([1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0])
+    mean, lo, hi = statistics.paired_bootstrap_ci([1.0, 1.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0])
     assert mean == pytest.approx(0.5) and 0.0 <= lo <= mean <= hi <= 1.0
     with pytest.raises(ValueError, match="same prompts"):
-        metrics.paired_bootstrap_ci([1.0], [1.0, 0.0])
+        statistics.paired_bootstrap_ci([1.0], [1.0, 0.0])
 
 
 # ---- datasets --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.manager import KVCacheManager, MultimodalItem, SnapshotError
-from kvjax.manager.state import FORMAT_VERSION
+from kvjax.manager.bookkeeping import FORMAT_VERSION
 
 
 def _busy(make, run):

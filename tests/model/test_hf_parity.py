@@ -14,7 +14,8 @@ import shutil
 import numpy as np
 import pytest
 
-from kvjax.blend.blender import FULL_RECOMPUTE, BlendPrompt
+from experiments.blender import FULL_RECOMPUTE, make_blender
+from kvjax.blend.prompt import BlendPrompt
 from kvjax.blend.selection import SelectionConfig
 from kvjax.config import KvCacheConfig, SchedulerConfig, SpeculativeConfig
 from kvjax.engine import Engine
@@ -22,7 +23,6 @@ from kvjax.model.hf_checkpoint import load_hf
 from kvjax.model.registry import load_model
 from kvjax.sampling import SamplingParams
 from kvjax.snapshot import restore_snapshot, save_snapshot
-from kvjax.testing.blend import make_blender
 
 HF = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 FAMILIES = sorted(p.name for p in HF.iterdir() if (p / "reference.npz").is_file())

@@ -94,8 +94,8 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
                         "page": b.page,
                         "tier": b.tier.label,
                         "ref_count": b.ref_count,
-                        "key": b.key.hex(),
-                        "parent_key": b.parent_key.hex(),
+                        "key": _hex(b.key),
+                        "parent_key": _hex(b.parent_key),
                         "token_ids": list(b.token_ids),
                         "items": _items(b.items),
                         "index": b.index,
@@ -113,11 +113,11 @@ def state_dict(mgr: KVCacheManager) -> dict[str, Any]:
     sequences = []
     for seq in mgr.sequences.values():
         per_group = []
-        for g, blocks in enumerate(seq.blocks):
+        for g, held in enumerate(seq.blocks):
             per_group.append(
                 [
                     None if b is None else ({"tree": ids[g][id(b)]} if b.key is not None else {"private": b.page})
-                    for b in blocks
+                    for b in held
                 ]
             )
         retention = dataclasses.asdict(seq.retention)
@@ -266,17 +266,17 @@ def _restore(mgr: KVCacheManager, state: dict[str, Any]) -> Resumed:
             TokenRangeRetentionConfig(**r) for r in retention["token_range_retention_configs"]
         )
         root = root_key(cache_salt, lora_id)
-        per_group = []
+        per_group: list[list[Block | None]] = []
         for g, entries in enumerate(row["blocks"]):
-            blocks = []
+            held: list[Block | None] = []
             for entry in entries:
                 if entry is None:
-                    blocks.append(None)
+                    held.append(None)
                 elif "tree" in entry:
-                    blocks.append(all_blocks[g][int(entry["tree"])])
+                    held.append(all_blocks[g][int(entry["tree"])])
                 else:
-                    blocks.append(Block(page=int(entry["private"]), ref_count=1))
-            per_group.append(blocks)
+                    held.append(Block(page=int(entry["private"]), ref_count=1))
+            per_group.append(held)
         sequences.append(SequenceRecord(
             request_id=str(row["request_id"]),
             prompt=prompt,

@@ -17,9 +17,7 @@ what follows, and many of them decode together. When chunk tokens lie in the pro
 partial page, a run with ``fill_last_page`` decodes until that page is full (``fill_tokens``),
 so the tree holds it and the continuation takes its leading tokens by partial reuse.
 
-Prompt layout (``BlendPrompt``)::
-
-    | prefix (exact) | chunk 0 | ... | chunk n-1 | suffix |
+Prompts are ``kvjax.blend.prompt.BlendPrompt``s.
 
 Axis letters are ``kvjax/axes.py``'s.
 """
@@ -27,85 +25,33 @@ Axis letters are ``kvjax/axes.py``'s.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from kvjax.blend.chunk_store import ChunkStore
+from kvjax.blend.chunk_store import ChunkStore, Variant
 from kvjax.blend.engine_blend import BlendReport, ChunkReuse
-from kvjax.blend.selection import SCHEDULE_SELECTORS, Roles, SelectionConfig, schedule
+from kvjax.blend.prompt import BlendPrompt
+from kvjax.blend.selection import SCHEDULE_SELECTORS, SelectionConfig, schedule
 from kvjax.cache.pool import read_slots
-from kvjax.config import KvCacheRetentionConfig
+from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.engine import RequestOutput
 from kvjax.manager.hashing import check_token_ids
+from kvjax.model.config import ModelConfig
+from kvjax.model.transformer import Params
 from kvjax.sampling import SamplingParams
+from kvjax.testing.blend import tiny_engine
 
 FULL_RECOMPUTE = "full_recompute"
 EVALUATION_RETENTION = KvCacheRetentionConfig(
-    token_range_retention_configs=({"token_start": 0, "token_end": None, "priority": 1},), decode_retention_priority=1
+    token_range_retention_configs=(TokenRangeRetentionConfig(0, None, 1),), decode_retention_priority=1
 )
 """Blocks of harness requests are evicted before chunk blocks (default priority)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class BlendPrompt:
-    """A prompt made of an exact prefix, retrieved chunks and a suffix (token ids).
-
-    The parts are validated and stored as tuples of Python ints: ids must be ints >= 0 (the
-    model's vocabulary bound is checked by the call that runs the prompt, ``check_vocab``),
-    every chunk holds at least one token and the suffix at least one.
-    """
-
-    prefix: tuple[int, ...]
-    chunks: tuple[tuple[int, ...], ...]
-    suffix: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if isinstance(self.chunks, (str, bytes)) or not hasattr(self.chunks, "__iter__"):
-            raise ValueError(f"chunks must be a sequence of token id sequences, got {type(self.chunks).__name__}")
-        chunks = tuple(check_token_ids(c, f"chunks[{i}]") for i, c in enumerate(self.chunks))
-        for i, chunk in enumerate(chunks):
-            if not chunk:
-                raise ValueError(f"chunks[{i}] is empty: every chunk must hold at least one token")
-        object.__setattr__(self, "prefix", check_token_ids(self.prefix, "prefix"))
-        object.__setattr__(self, "chunks", chunks)
-        object.__setattr__(self, "suffix", check_token_ids(self.suffix, "suffix"))
-        if not self.suffix:
-            raise ValueError("suffix must hold at least one token (the last token yields the logits)")
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError naming the part (``prompt.chunks[i]``, ...) that holds an id outside [0, vocab_size)."""
-        check_token_ids(self.prefix, "prompt.prefix", vocab_size)
-        for i, chunk in enumerate(self.chunks):
-            check_token_ids(chunk, f"prompt.chunks[{i}]", vocab_size)
-        check_token_ids(self.suffix, "prompt.suffix", vocab_size)
-
-    def describe(self) -> str:
-        """The part lengths, for error messages: "prefix 5 + chunks [60, 60] + suffix 14"."""
-        return f"prefix {len(self.prefix)} + chunks {[len(c) for c in self.chunks]} + suffix {len(self.suffix)}"
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return np.asarray([*self.prefix, *(t for c in self.chunks for t in c), *self.suffix], np.int32)
-
-    @functools.cached_property
-    def chunk_starts(self) -> tuple[int, ...]:
-        starts, pos = [], len(self.prefix)
-        for chunk in self.chunks:
-            starts.append(pos)
-            pos += len(chunk)
-        return tuple(starts)
-
-    @functools.cached_property
-    def roles(self) -> Roles:
-        spans = tuple((s, s + len(c)) for s, c in zip(self.chunk_starts, self.chunks))
-        end = spans[-1][1] if spans else len(self.prefix)
-        return Roles(
-            num_tokens=end + len(self.suffix), prefix_len=len(self.prefix), chunk_spans=spans, suffix_start=end
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +134,7 @@ class Blender:
                 f"max_seq_len is {self.engine.max_seq_len}"
             )
 
-    def run(self, prompt: BlendPrompt, policy: SelectionConfig | str, **options: object) -> PolicyRun:
+    def run(self, prompt: BlendPrompt, policy: SelectionConfig | str, **options: Any) -> PolicyRun:
         """Runs one policy on ``prompt`` to completion (the engine must be otherwise idle for
         timing): ``run_together`` with one policy and the same options."""
         return self.run_together(prompt, [policy], **options)[0]
@@ -272,8 +218,10 @@ class Blender:
             checks = (
                 schedule(policy)[0] if not isinstance(policy, str) and policy.selector in SCHEDULE_SELECTORS else ()
             )
+            assert out.ttft_s is not None, "a finished request has its first token"
+            report = out.blend_report if isinstance(out.blend_report, BlendReport) else None
             runs.append(PolicyRun(logits=np.asarray(logits), tokens=out.output, ttft_s=out.ttft_s, trace=trace,
-                                  report=out.blend_report, scope=scope, prompt=prompt, qkv_checks=checks, feed=feed))
+                                  report=report, scope=scope, prompt=prompt, qkv_checks=checks, feed=feed))
         return runs
 
     def fill_tokens(self, prompt: BlendPrompt) -> int:
@@ -308,11 +256,10 @@ class Blender:
             padded = -(-full // _READ_BUCKET) * _READ_BUCKET  # a few gather shapes, not one per prompt length
             page_ids, offsets, _ = self.store.slots(lease.tables[0], range(full), padded, 0)
             pool, groups = self.engine.pool, self.engine.layout.layer_group
-            k = np.stack(
-                [np.asarray(read_slots(pool.k[layer], page_ids[g], offsets))[:full] for layer, g in enumerate(groups)]
-            )
-            v = np.stack(
-                [np.asarray(read_slots(pool.v[layer], page_ids[g], offsets))[:full] for layer, g in enumerate(groups)]
+            ids, slots = jnp.asarray(page_ids), jnp.asarray(offsets)
+            k, v = (
+                np.stack([np.asarray(read_slots(pages[layer], ids[g], slots))[:full] for layer, g in enumerate(groups)])
+                for pages in (pool.k, pool.v)
             )
         finally:
             self.store.release(lease)
@@ -423,4 +370,22 @@ class Blender:
         return exact
 
 
-__all__ = ["EVALUATION_RETENTION", "FULL_RECOMPUTE", "BlendPrompt", "Blender", "Extension", "PolicyRun"]
+
+def make_blender(
+    cfg: ModelConfig, params: Params, prompt: BlendPrompt, *, variant: Variant = "system", max_tokens: int = 512,
+    mesh: Mesh | None = None,
+) -> Blender:
+    """A Blender over a fresh engine and store holding ``prompt``'s chunks (16-token pages, 64-token buckets).
+
+    Args:
+      max_tokens: the engine's ``max_seq_len`` (longest prompt plus continuation).
+      mesh: the device mesh the engine is sharded over (None = one device).
+    """
+    store = ChunkStore(tiny_engine(cfg, params, max_seq_len=max_tokens, mesh=mesh), variant=variant,
+                       prefix_tokens=prompt.prefix)
+    for chunk in prompt.chunks:
+        store.put(chunk)
+    return Blender(store, token_bucket=64)
+
+
+__all__ = ["EVALUATION_RETENTION", "FULL_RECOMPUTE", "Blender", "Extension", "PolicyRun", "make_blender"]

@@ -1,0 +1,44 @@
+"""The soak (``configs/soak.py:tiny``): 300 steps of the tiny model serving every request kind
+while every fault kind arrives, with no violation; and its checks catch what they check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from configs.soak import get_config
+from experiments import soak
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("soak")
+    return workdir, soak.run(get_config("tiny"), workdir)
+
+
+def test_every_kind_is_served_and_every_fault_injected_without_a_violation(tiny_run):
+    workdir, results = tiny_run
+    assert results["violations"] == 0, json.loads((workdir / "violations.json").read_text())[:3]
+    assert set(results["served"]) == set(soak.KINDS) and min(results["served"].values()) > 0
+    assert set(soak.FAULTS) <= set(results["faults"]), results["faults"]
+    assert results["faults"]["snapshot_saved"] > 0 and results["faults"]["preemption"] > 0
+    assert set(results["checks"]) == set(soak.CHECKS)
+    assert results["checks"]["consistency"] >= results["steps"]
+    for name in ("summary.md", "checks.csv", "rss.png", "violations.json"):
+        assert (workdir / name).is_file()
+
+
+def test_a_wrong_output_and_a_bad_fault_kind_are_caught(tmp_path, monkeypatch):
+    config = get_config("tiny")
+    config.minutes = 2 / 60
+    config.faults.kinds = ()
+    real = soak.Soak._reference
+    monkeypatch.setattr(soak.Soak, "_reference", lambda self, p: [*real(self, p), 0])  # one token too many
+    results = soak.run(config, tmp_path)
+    violations = json.loads((tmp_path / "violations.json").read_text())
+    assert results["violations"] == len(violations) > 0
+    assert {v["check"] for v in violations} == {"exact_output"}
+    config.faults.kinds = ("power_cut",)
+    with pytest.raises(ValueError, match=r"faults.kinds: unknown \['power_cut'\]; allowed: \('abort_mid_prefill'"):
+        soak.run(config, tmp_path)
