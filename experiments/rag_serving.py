@@ -707,7 +707,8 @@ def serve_run(config: ml_collections.ConfigDict, work: Workload, run: Run, refs:
               "machine": timing.machine_limits(), "code": report.code_commit()}
     report.write_csv(workdir / f"queries-{run.name.replace('/', '-')}.csv", recs,
                      list(dict.fromkeys(k for rec in recs for k in rec)))
-    report.write_json(_run_file(workdir, run), record)
+    kept = report.jsonable(record, nan_as_text=False)  # NaN stays a float through the record
+    _run_file(workdir, run).write_text(json.dumps(kept, indent=1) + "\n")
     del server
     gc.collect()
     return record
