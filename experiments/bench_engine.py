@@ -21,8 +21,8 @@ from experiments.timing import decode_step_seconds, machine_limits
 from experiments.workloads.trace import make_trace, replay, sim_layout
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
+from kvjax.engine.manager_v2 import KVCacheManagerV2
 from kvjax.manager import KVCacheManager
-from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.model.registry import load_model
 from kvjax.sampling import SamplingParams
 

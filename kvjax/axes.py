@@ -38,7 +38,7 @@ v       vocab_size            vocabulary entries                                
 G       num_groups            layer groups, one per attention window, each with its
                               own pool and block tables (``CacheLayout.num_groups``)
 S       max_seqs              sequence slots: rows of a layer group's block tables    SchedulerConfig.max_batch_size
-                              in Manager V2 (``PageState``), the most sequences held
+                              in Manager V2 (``DeviceBlockPool``), the most sequences held
                               at once; a step's s sequences occupy s of them
 D       d_model               width of the residual stream                            ModelConfig.d_model
 F       ffn_dim               hidden units of one MLP                                 ModelConfig.ffn_dim

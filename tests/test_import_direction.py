@@ -30,7 +30,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("kvjax.cache",),
     ("kvjax.attention",),
     ("kvjax.manager", "kvjax.model", "kvjax.sampling"),
-    ("kvjax.speculative", "kvjax.distributed", "kvjax.metrics", "kvjax.decode"),
+    ("kvjax.speculative", "kvjax.distributed", "kvjax.metrics"),
     ("kvjax.engine",),
     ("kvjax.snapshot", "kvjax.blend"),
     ("kvjax.testing",),

@@ -2,7 +2,7 @@
 
 Its rooms, one concept each: ``scheduler`` (what each step computes), ``requests``
 (submission checks), ``runner`` (a step's forwards: inputs, block tables, sampling),
-``speculative_step``, ``device_decode`` (Manager V2's on-device decode loop), ``recurrent``
+``speculative_step``, ``manager_v2`` (Manager V2: device-side allocation and its decode loop), ``recurrent``
 (hybrid models' state), ``page_ops`` (tier moves), ``buckets`` (shapes), ``outputs`` (records
 and outputs) and ``manager_choice`` (V1 or V2)."""
 

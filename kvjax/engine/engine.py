@@ -7,7 +7,7 @@ step's works go to their runners (``self.runners``, ``kvjax.engine.runner``: "pr
 "blend" for CacheBlend requests, "decode", speculative with a ``SpeculativeConfig``) in
 bucketed shapes; the scheduler commits the computed tokens (full blocks enter the radix tree)
 and finishes requests on their stop token or length. With Manager V2, a step in which every
-running request decodes runs on the device (``kvjax.engine.device_decode``).
+running request decodes runs on the device (``kvjax.engine.manager_v2.decode``).
 
 Failures are per request: ``submit()`` validates every argument before touching any state,
 and a failure inside a step finishes only the request whose work raised. One re-entrant lock
@@ -29,8 +29,8 @@ from jax.sharding import Mesh
 from kvjax import attention, distributed
 from kvjax.cache import CacheLayout, HostPool, PagePool, TierThrottle, init_pool
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, SpeculativeConfig
-from kvjax.engine.device_decode import DeviceDecode, device_decode_for
 from kvjax.engine.manager_choice import manager_builder
+from kvjax.engine.manager_v2 import DeviceDecode, device_decode_for
 from kvjax.engine.outputs import Records, RequestOutput, RequestRecord, to_output
 from kvjax.engine.recurrent import RecurrentState
 from kvjax.engine.requests import (

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from kvjax.cache.layout import CacheLayout
 from kvjax.config import ConfigError, KvCacheConfig, SpeculativeConfig
+from kvjax.engine.manager_v2 import KVCacheManagerV2
 from kvjax.manager import CacheManager, KVCacheManager
-from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.model.config import ModelConfig
 
 log = logging.getLogger(__name__)

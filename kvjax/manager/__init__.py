@@ -4,13 +4,7 @@ windows, events, and the one interface (``CacheManager``) its two implementation
 from kvjax.manager.bookkeeping import ConsistencyError, SnapshotError
 from kvjax.manager.events import KVCacheEvent
 from kvjax.manager.hashing import InternalScope, MultimodalItem, block_key, mm_hash, root_key
-from kvjax.manager.interface import (
-    CacheManager,
-    DeviceStateManager,
-    OutOfPagesError,
-    TieredCacheManager,
-    require_tiered,
-)
+from kvjax.manager.interface import CacheManager, OutOfPagesError, TieredCacheManager, require_tiered
 from kvjax.manager.manager import KVCacheManager
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
@@ -19,7 +13,6 @@ __all__ = [
     "CacheManager",
     "CacheStats",
     "ConsistencyError",
-    "DeviceStateManager",
     "InternalScope",
     "KVCacheEvent",
     "KVCacheManager",

@@ -6,8 +6,8 @@ counters. Two managers implement it, and each offers one extension of it:
 - ``KVCacheManager`` (V1) is a ``TieredCacheManager``: its reuse index lives on the host
   (radix tree, host and disk tiers, events, retention priorities, speculative slots, chunk
   scopes, recurrent-state snapshots, snapshots of its own state);
-- ``KVCacheManagerV2`` is a ``DeviceStateManager``: its allocation state lives on the device,
-  where the on-device decode loop (``kvjax.engine.device_decode``) takes pages itself.
+- ``KVCacheManagerV2`` is a ``DeviceBlockPoolManager`` (``kvjax.engine.manager_v2``): its
+  allocation state lives on the device, where the on-device decode loop takes pages itself.
 
 No member raises ``NotImplementedError``: a feature that needs an extension asks for it with
 ``require_tiered``, whose error names the feature and the switch. The choice between the two
@@ -28,7 +28,6 @@ from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
 
 if TYPE_CHECKING:
-    from kvjax.manager.functional import PageState
     from kvjax.manager.state_snapshots import StateSnapshotIndex
 
 
@@ -161,22 +160,6 @@ class TieredCacheManager(CacheManager, Protocol):
     def clear_cache(self) -> None: ...
 
     def state_dict(self) -> dict: ...
-
-
-@runtime_checkable
-class DeviceStateManager(CacheManager, Protocol):
-    """A manager whose allocation state lives on the device (``KVCacheManagerV2``): the
-    on-device decode loop reads and replaces ``states`` and finds requests by row."""
-
-    states: tuple[PageState, ...]
-    """Allocation state per layer group (``kvjax.manager.functional``)."""
-
-    @property
-    def max_blocks(self) -> int:
-        """Block-table width: blocks of the longest sequence."""
-
-    def row_of(self, request_id: str) -> int:
-        """The block-table row holding ``request_id``."""
 
 
 def require_tiered(manager: CacheManager, feature: str) -> TieredCacheManager:

@@ -10,8 +10,8 @@ import pytest
 
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import MIN_TABLE_WIDTH, Engine, table_width
+from kvjax.engine.manager_v2 import KVCacheManagerV2
 from kvjax.manager import KVCacheManager
-from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True, return_logits=True)

@@ -11,8 +11,8 @@ import pytest
 
 from kvjax.config import ConfigError, KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, SpeculativeConfig
 from kvjax.engine import Engine
+from kvjax.engine.manager_v2 import KVCacheManagerV2
 from kvjax.manager import KVCacheManager
-from kvjax.manager.manager_v2 import KVCacheManagerV2
 from kvjax.model.model import Model
 from kvjax.sampling import SamplingParams
 from kvjax.testing.tiny import init_params, tiny_hybrid_config, tiny_model

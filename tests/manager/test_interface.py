@@ -10,8 +10,8 @@ import pytest
 
 from kvjax.cache import CacheLayout
 from kvjax.config import KvCacheConfig
-from kvjax.manager import CacheManager, DeviceStateManager, KVCacheManager, TieredCacheManager, require_tiered
-from kvjax.manager.manager_v2 import KVCacheManagerV2
+from kvjax.engine.manager_v2 import DeviceBlockPoolManager, KVCacheManagerV2
+from kvjax.manager import CacheManager, KVCacheManager, TieredCacheManager, require_tiered
 
 
 def _layout() -> CacheLayout:
@@ -30,7 +30,12 @@ def _managers() -> tuple[KVCacheManager, KVCacheManagerV2]:
 
 @pytest.mark.parametrize(
     ("cls", "protocol"),
-    [(KVCacheManager, CacheManager), (KVCacheManager, TieredCacheManager), (KVCacheManagerV2, CacheManager)],
+    [
+        (KVCacheManager, CacheManager),
+        (KVCacheManager, TieredCacheManager),
+        (KVCacheManagerV2, CacheManager),
+        (KVCacheManagerV2, DeviceBlockPoolManager),
+    ],
 )
 def test_each_manager_has_every_member_with_the_protocols_signature(cls, protocol):
     for name in _members(protocol):
@@ -45,9 +50,9 @@ def test_each_manager_has_every_member_with_the_protocols_signature(cls, protoco
 def test_each_manager_offers_exactly_its_extension():
     v1, v2 = _managers()
     assert isinstance(v1, CacheManager) and isinstance(v2, CacheManager)
-    assert isinstance(v1, TieredCacheManager) and not isinstance(v1, DeviceStateManager)
-    assert isinstance(v2, DeviceStateManager) and not isinstance(v2, TieredCacheManager)
-    assert v2.row_of is not None and len(v2.states) == v2.layout.num_groups
+    assert isinstance(v1, TieredCacheManager) and not isinstance(v1, DeviceBlockPoolManager)
+    assert isinstance(v2, DeviceBlockPoolManager) and not isinstance(v2, TieredCacheManager)
+    assert v2.row_of is not None and len(v2.block_pools) == v2.layout.num_groups
 
 
 def test_no_manager_member_raises_not_implemented():

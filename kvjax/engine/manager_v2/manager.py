@@ -1,10 +1,11 @@
-"""``KVCacheManagerV2``: the thin host face of Manager V2 (``kvjax.manager.functional``).
+"""``KVCacheManagerV2``: the thin host face of Manager V2 (``block_pool``), and its extension of
+the ``CacheManager`` interface, ``DeviceBlockPoolManager``.
 
-The allocation state of every layer group lives on the device as one ``PageState`` per
+The allocation state of every layer group lives on the device as one ``DeviceBlockPool`` per
 group; this class validates arguments, hashes blocks (the same BLAKE3 chain as the host
 manager, truncated to 64-bit index keys) and calls the pure functions. It implements
-``CacheManager`` (so the same scheduler drives it) and ``DeviceStateManager``: it exposes
-``states`` and ``row_of`` so the engine's on-device decode loop (``kvjax.decode``) can take
+``CacheManager`` (so the same scheduler drives it) and ``DeviceBlockPoolManager``: it exposes
+``block_pools`` and ``row_of`` so the engine's on-device decode loop (``decode.DeviceDecode``) can take
 pages without asking the host.
 
 What V2 does not offer (it is no ``TieredCacheManager``; the engine refuses
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +27,28 @@ import numpy as np
 
 from kvjax.cache.layout import CacheLayout
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig
-from kvjax.manager import functional as F
+from kvjax.engine.manager_v2 import block_pool as F
 from kvjax.manager.hashing import BlockKey, MultimodalItem, chain_keys, check_token_ids, hash_items, pack_ids, root_key
-from kvjax.manager.interface import LayoutGeometry, OutOfPagesError
+from kvjax.manager.interface import CacheManager, LayoutGeometry, OutOfPagesError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
+
+
+@runtime_checkable
+class DeviceBlockPoolManager(CacheManager, Protocol):
+    """A manager whose allocation state lives on the device (``KVCacheManagerV2``): the
+    on-device decode loop (``decode.DeviceDecode``) reads and replaces ``block_pools`` and
+    finds requests by row."""
+
+    block_pools: tuple[F.DeviceBlockPool, ...]
+    """One device block pool per layer group."""
+
+    @property
+    def max_blocks(self) -> int:
+        """Block-table width: blocks of the longest sequence."""
+
+    def row_of(self, request_id: str) -> int:
+        """The block-table row holding ``request_id``."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,7 +66,7 @@ class _Row:
 
 
 class KVCacheManagerV2(LayoutGeometry):
-    """Manager V2 over ``layout``'s device pools, one ``PageState`` per layer group.
+    """Manager V2 over ``layout``'s device pools, one ``DeviceBlockPool`` per layer group.
 
     Args:
       config: reuse on/off (``enable_block_reuse``); the other policies are V1-only.
@@ -58,25 +77,31 @@ class KVCacheManagerV2(LayoutGeometry):
     def __init__(self, config: KvCacheConfig, layout: CacheLayout, max_seqs: int) -> None:
         self.config = config
         self.layout = layout
-        self.max_blocks = layout.pages_for(layout.max_seq_len)
-        self.states: tuple[F.PageState, ...] = tuple(
-            F.init_state(n, max_seqs, self.max_blocks, layout.tokens_per_block) for n in layout.num_pages
+        max_blocks = layout.pages_for(layout.max_seq_len)
+        self.block_pools: tuple[F.DeviceBlockPool, ...] = tuple(
+            F.init_block_pool(n, max_seqs, max_blocks, layout.tokens_per_block) for n in layout.num_pages
         )
-        """Device allocation state per layer group; replaced by every call that changes it."""
+        """One device block pool per layer group; replaced by every call that changes it."""
         self._rows: dict[str, _Row] = {}
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._stats = CacheStats()
 
     @property
     def max_seqs(self) -> int:
-        return self.states[0].max_seqs
+        """Block-table rows: the most requests held at once."""
+        return self.block_pools[0].max_seqs
+
+    @property
+    def max_blocks(self) -> int:
+        """Block-table width: blocks of the longest sequence."""
+        return self.block_pools[0].max_blocks
 
     def num_cached_blocks(self, group: int, tier: str = "device") -> int:
         """Indexed (reusable) blocks of ``group`` on ``tier`` ("device", "host" or "disk"; V2
         caches on the device only)."""
         if tier not in ("device", "host", "disk"):
             raise ValueError(f"tier={tier!r} must be 'device', 'host' or 'disk'")
-        return int(np.asarray(self.states[group].indexed).sum()) if tier == "device" else 0
+        return int(np.asarray(self.block_pools[group].indexed).sum()) if tier == "device" else 0
 
     @property
     def stats(self) -> CacheStats:
@@ -100,13 +125,13 @@ class KVCacheManagerV2(LayoutGeometry):
 
     def num_free_pages(self, group: int) -> int:
         """Pages of ``group`` that can be handed out now (free plus unreferenced cached)."""
-        return int(F.available(self.states[group]))
+        return int(F.available(self.block_pools[group]))
 
     def block_table(self, request_id: str, group: int) -> list[int]:
         seq = self._row(request_id)
-        state = self.states[group]
+        block_pool = self.block_pools[group]
         n = -(-seq.num_allocated // self.tokens_per_block)
-        return np.asarray(state.block_tables[seq.row, :n]).tolist()
+        return np.asarray(block_pool.block_tables[seq.row, :n]).tolist()
 
     def take_page_ops(self) -> list[PageOp]:
         """V2 queues no page copies (no tiers, no partial reuse)."""
@@ -171,8 +196,8 @@ class KVCacheManagerV2(LayoutGeometry):
         if admit is not None and not admit(num_matched * self.tokens_per_block):
             return None
         row = self._free_rows.pop()
-        self.states = tuple(
-            F.acquire_prefix(s, row, jnp.asarray(p), num_matched) for s, p in zip(self.states, pages)
+        self.block_pools = tuple(
+            F.acquire_prefix(s, row, jnp.asarray(p), num_matched) for s, p in zip(self.block_pools, pages)
         )
         reused = num_matched * self.tokens_per_block
         stats = RequestStats(
@@ -198,21 +223,21 @@ class KVCacheManagerV2(LayoutGeometry):
         if num_total_tokens <= seq.num_allocated:
             return
         new = []
-        for g, state in enumerate(self.states):
-            state, ok = F.allocate(state, seq.row, num_total_tokens)
+        for g, block_pool in enumerate(self.block_pools):
+            block_pool, ok = F.allocate(block_pool, seq.row, num_total_tokens)
             if not bool(ok):
                 raise OutOfPagesError(
                     f"layer group {g} has {self.num_free_pages(g)} available page(s), too few for "
                     f"{num_total_tokens} tokens of request {request_id!r}"
                 )
-            new.append(state)
-        self.states = tuple(new)
+            new.append(block_pool)
+        self.block_pools = tuple(new)
         seq.num_allocated = num_total_tokens
 
     def commit_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Records that the KV of ``token_ids`` (the request's next tokens) is written, and enters
         the blocks this fills into every group's index. Tokens written by the on-device decode
-        loop (``kvjax.decode``), whose slots the loop took itself, are reported here too."""
+        loop (``decode.DeviceDecode``), whose slots the loop took itself, are reported here too."""
         seq = self._row(request_id)
         seq.tokens.extend(int(t) for t in token_ids)
         seq.num_allocated = max(seq.num_allocated, len(seq.tokens))
@@ -232,10 +257,10 @@ class KVCacheManagerV2(LayoutGeometry):
         blocks = np.arange(first, first + width, dtype=np.int32)
         valid = np.arange(width) < full - first
         rows = np.full(width, seq.row, np.int32)
-        self.states = tuple(
+        self.block_pools = tuple(
             F.commit_blocks(s, jnp.asarray(rows), jnp.asarray(np.minimum(blocks, self.max_blocks - 1)), jnp.asarray(hi),
                             jnp.asarray(lo), jnp.asarray(valid))
-            for s in self.states
+            for s in self.block_pools
         )
         self._stats.stored_blocks += full - first
         seq.num_committed_blocks = full
@@ -243,14 +268,14 @@ class KVCacheManagerV2(LayoutGeometry):
     def free_request(self, request_id: str) -> None:
         """Drops the request's references; its indexed blocks stay matchable until evicted."""
         seq = self._row(request_id)
-        self.states = tuple(F.free_row(s, seq.row) for s in self.states)
+        self.block_pools = tuple(F.free_row(s, seq.row) for s in self.block_pools)
         self._free_rows.append(seq.row)
         del self._rows[request_id]
 
     def check_consistency(self) -> None:
-        """Raises ``AssertionError`` if a group's device state breaks its invariants."""
-        for state in self.states:
-            F.check_invariants(state)
+        """Raises ``AssertionError`` if a group's device block pool breaks its invariants."""
+        for block_pool in self.block_pools:
+            F.check_invariants(block_pool)
 
     def _row(self, request_id: str) -> _Row:
         seq = self._rows.get(request_id)
@@ -267,11 +292,11 @@ class KVCacheManagerV2(LayoutGeometry):
     def _match(self, keys: list[BlockKey], prompt_len: int) -> tuple[int, list[np.ndarray]]:
         """(blocks matched in every group, each group's matched pages [max_blocks])."""
         usable = min(len(keys), (prompt_len - 1) // self.tokens_per_block)
-        empty = [np.full(self.max_blocks, -1, np.int32) for _ in self.states]
+        empty = [np.full(self.max_blocks, -1, np.int32) for _ in self.block_pools]
         if usable < 1:
             return 0, empty
         hi, lo = F.index_keys(keys[:usable], self.max_blocks)
-        found = [F.match_prefix(s, jnp.asarray(hi), jnp.asarray(lo), usable) for s in self.states]
+        found = [F.match_prefix(s, jnp.asarray(hi), jnp.asarray(lo), usable) for s in self.block_pools]
         num, pages = jax.device_get(found[0][0]), []
         for n, p in found:
             num = min(num, int(n))

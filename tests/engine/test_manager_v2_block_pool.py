@@ -1,4 +1,4 @@
-"""Manager V2's functional page state: exact ids on a tiny pool, and hypothesis-driven
+"""Manager V2's functional page pool: exact ids on a tiny pool, and hypothesis-driven
 sequences of allocate / append / commit / match / free / evict that keep its invariants."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvjax.cache.layout import NULL_PAGE
-from kvjax.manager import functional as F
+from kvjax.engine.manager_v2 import block_pool as F
 from kvjax.manager.hashing import block_key, root_key
 
 PAGE = 2
@@ -30,67 +30,67 @@ def chain(tokens: list[int]) -> list[bytes]:
     return keys
 
 
-def commit_all(state: F.PageState, row: int, keys: list[bytes]) -> F.PageState:
+def commit_all(pool: F.DeviceBlockPool, row: int, keys: list[bytes]) -> F.DeviceBlockPool:
     hi, lo = F.index_keys(keys, BLOCKS)
     n = len(keys)
     return F.commit_blocks(
-        state, jnp.full(BLOCKS, row), jnp.arange(BLOCKS), jnp.asarray(hi), jnp.asarray(lo), jnp.arange(BLOCKS) < n
+        pool, jnp.full(BLOCKS, row), jnp.arange(BLOCKS), jnp.asarray(hi), jnp.asarray(lo), jnp.arange(BLOCKS) < n
     )
 
 
 def test_init_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="num_pages=1 must be an int >= 2"):
-        F.init_state(1, 2, 2, 2)
+        F.init_block_pool(1, 2, 2, 2)
     with pytest.raises(ValueError, match="tokens_per_block=0"):
-        F.init_state(4, 2, 2, 0)
+        F.init_block_pool(4, 2, 2, 0)
 
 
 def test_exact_pages_reuse_and_leaf_first_eviction() -> None:
-    state = F.init_state(PAGES, ROWS, BLOCKS, PAGE)
-    state, ok = F.allocate(state, 0, 7)  # 4 pages, taken from the top of the stack: 1, 2, 3, 4
-    assert bool(ok) and state.block_tables[0].tolist() == [1, 2, 3, 4]
+    pool = F.init_block_pool(PAGES, ROWS, BLOCKS, PAGE)
+    pool, ok = F.allocate(pool, 0, 7)  # 4 pages, taken from the top of the stack: 1, 2, 3, 4
+    assert bool(ok) and pool.block_tables[0].tolist() == [1, 2, 3, 4]
     tokens = [5, 6, 7, 8, 9, 10, 11]
     keys = chain(tokens)
-    state = commit_all(state, 0, keys)
+    pool = commit_all(pool, 0, keys)
     hi, lo = F.index_keys(keys, BLOCKS)
-    n, pages = F.match_prefix(state, jnp.asarray(hi), jnp.asarray(lo), 3)
+    n, pages = F.match_prefix(pool, jnp.asarray(hi), jnp.asarray(lo), 3)
     assert int(n) == 3 and pages.tolist() == [1, 2, 3, -1]
-    state = F.free_row(state, 0)  # page 4 (partial block) is freed, pages 1-3 stay cached
-    F.check_invariants(state)
-    assert int(state.num_free) == PAGES - 1 - 3
-    assert int(F.available(state)) == PAGES - 1
-    state = F.acquire_prefix(state, 1, pages, 2)
-    assert state.block_tables[1].tolist() == [1, 2, 0, 0] and state.ref_counts[1:4].tolist() == [1, 1, 0]
-    F.check_invariants(state)
-    state = F.free_row(state, 1)
-    evicted = F.evict(state, 1)  # the leaf of the chain (block 2, page 3) goes first
+    pool = F.free_row(pool, 0)  # page 4 (partial block) is freed, pages 1-3 stay cached
+    F.check_invariants(pool)
+    assert int(pool.num_free) == PAGES - 1 - 3
+    assert int(F.available(pool)) == PAGES - 1
+    pool = F.acquire_prefix(pool, 1, pages, 2)
+    assert pool.block_tables[1].tolist() == [1, 2, 0, 0] and pool.ref_counts[1:4].tolist() == [1, 1, 0]
+    F.check_invariants(pool)
+    pool = F.free_row(pool, 1)
+    evicted = F.evict(pool, 1)  # the leaf of the chain (block 2, page 3) goes first
     assert evicted.indexed[1:4].tolist() == [True, True, False]
-    evicted = F.evict(state, 2)
+    evicted = F.evict(pool, 2)
     assert evicted.indexed[1:4].tolist() == [True, False, False]
     F.check_invariants(evicted)
 
 
 def test_allocate_without_pages_changes_nothing() -> None:
-    state = F.init_state(4, 2, 4, PAGE)  # 3 usable pages
-    state, ok = F.allocate(state, 0, 4)
+    pool = F.init_block_pool(4, 2, 4, PAGE)  # 3 usable pages
+    pool, ok = F.allocate(pool, 0, 4)
     assert bool(ok)
-    before = jax.device_get(state)
-    after, ok = F.allocate(state, 1, 4)
+    before = jax.device_get(pool)
+    after, ok = F.allocate(pool, 1, 4)
     assert not bool(ok)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(after))):
         np.testing.assert_array_equal(a, b)
 
 
 def test_duplicate_block_stays_private() -> None:
-    state = F.init_state(PAGES, ROWS, BLOCKS, PAGE)
+    pool = F.init_block_pool(PAGES, ROWS, BLOCKS, PAGE)
     keys = chain([1, 2])
-    state, _ = F.allocate(state, 0, 2)
-    state, _ = F.allocate(state, 1, 2)
-    state = commit_all(commit_all(state, 0, keys), 1, keys)
-    assert state.indexed[1:3].tolist() == [True, False]
-    state = F.free_row(state, 1)
-    F.check_invariants(state)
-    assert 2 in state.free_pages[: int(state.num_free)].tolist()
+    pool, _ = F.allocate(pool, 0, 2)
+    pool, _ = F.allocate(pool, 1, 2)
+    pool = commit_all(commit_all(pool, 0, keys), 1, keys)
+    assert pool.indexed[1:3].tolist() == [True, False]
+    pool = F.free_row(pool, 1)
+    F.check_invariants(pool)
+    assert 2 in pool.free_pages[: int(pool.num_free)].tolist()
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -99,7 +99,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
-        self.state = F.init_state(PAGES, ROWS, BLOCKS, PAGE)
+        self.pool = F.init_block_pool(PAGES, ROWS, BLOCKS, PAGE)
         self.tokens: list[list[int] | None] = [None] * ROWS
 
     @rule(row=st.integers(0, ROWS - 1), prompt=st.lists(st.integers(0, 1), min_size=1, max_size=PAGE * BLOCKS - 1))
@@ -108,29 +108,29 @@ class PoolMachine(RuleBasedStateMachine):
             return
         keys = chain(prompt)[: (len(prompt) - 1) // PAGE]
         hi, lo = F.index_keys(keys, BLOCKS)
-        n, pages = F.match_prefix(self.state, jnp.asarray(hi), jnp.asarray(lo), len(keys))
+        n, pages = F.match_prefix(self.pool, jnp.asarray(hi), jnp.asarray(lo), len(keys))
         n = int(n)
         for b in range(n):  # matched pages hold exactly the prompt's blocks
             page = int(pages[b])
-            assert bool(self.state.indexed[page])
-            assert (int(self.state.key_hi[page]), int(self.state.key_lo[page])) == F.index_key(keys[b])
+            assert bool(self.pool.indexed[page])
+            assert (int(self.pool.key_hi[page]), int(self.pool.key_lo[page])) == F.index_key(keys[b])
         if n < len(keys):  # the run is maximal
-            assert int(F.lookup(self.state, jnp.uint32(hi[n]), jnp.uint32(lo[n]))) == -1
-        state = F.acquire_prefix(self.state, row, pages, n)
-        state, ok = F.allocate(state, row, len(prompt))
+            assert int(F.lookup(self.pool, jnp.uint32(hi[n]), jnp.uint32(lo[n]))) == -1
+        pool = F.acquire_prefix(self.pool, row, pages, n)
+        pool, ok = F.allocate(pool, row, len(prompt))
         if not bool(ok):
-            state = F.free_row(state, row)
-            F.check_invariants(state)
-            self.state = state
+            pool = F.free_row(pool, row)
+            F.check_invariants(pool)
+            self.pool = pool
             return
-        self.state = state
+        self.pool = pool
         self.tokens[row] = list(prompt)
 
     @precondition(lambda self: any(t is not None for t in self.tokens))
     @rule(mask=st.lists(st.booleans(), min_size=ROWS, max_size=ROWS), token=st.integers(0, 1))
     def append(self, mask: list[bool], token: int) -> None:
         active = [m and t is not None and len(t) < PAGE * BLOCKS for m, t in zip(mask, self.tokens)]
-        state, positions, ok = F.append_tokens(self.state, jnp.asarray(active))
+        pool, positions, ok = F.append_tokens(self.pool, jnp.asarray(active))
         if not bool(ok):
             return
         for row, a in enumerate(active):
@@ -139,31 +139,31 @@ class PoolMachine(RuleBasedStateMachine):
                 self.tokens[row].append(token)
             else:
                 assert int(positions[row]) == -1
-        self.state = state
+        self.pool = pool
 
     @rule(row=st.integers(0, ROWS - 1))
     def commit(self, row: int) -> None:
         if self.tokens[row] is not None:
-            self.state = commit_all(self.state, row, chain(self.tokens[row]))
+            self.pool = commit_all(self.pool, row, chain(self.tokens[row]))
 
     @rule(row=st.integers(0, ROWS - 1))
     def free(self, row: int) -> None:
         if self.tokens[row] is not None:
-            self.state = F.free_row(self.state, row)
+            self.pool = F.free_row(self.pool, row)
             self.tokens[row] = None
 
     @rule(count=st.integers(0, PAGES))
     def evict(self, count: int) -> None:
-        before = int(self.state.num_free)
-        self.state = F.evict(self.state, count)
-        assert int(self.state.num_free) - before <= count
+        before = int(self.pool.num_free)
+        self.pool = F.evict(self.pool, count)
+        assert int(self.pool.num_free) - before <= count
 
     @invariant()
     def consistent(self) -> None:
-        if not hasattr(self, "state"):
+        if not hasattr(self, "pool"):
             return
-        F.check_invariants(self.state)
-        s = jax.device_get(self.state)
+        F.check_invariants(self.pool)
+        s = jax.device_get(self.pool)
         for row, tokens in enumerate(self.tokens):
             if tokens is None:
                 assert s.num_blocks[row] == 0 and s.seq_lens[row] == 0

@@ -2,14 +2,14 @@
 
 The whole state (free page stack, reference counts, release stamps, block tables, sequence
 lengths and a hashed block index for prefix reuse) is one ``flax.struct`` pytree,
-``PageState``, updated by pure jitted functions, so allocation can run inside a jitted
-decode loop with no host round trip (``kvjax.decode``). The host only hashes: it derives
+``DeviceBlockPool``, updated by pure jitted functions, so allocation can run inside a jitted
+decode loop with no host round trip (``decode.decode_steps``). The host only hashes: it derives
 each full block's 64-bit index key from the BLAKE3 block key it already computes
 (``index_key``).
 
 Axis names are ``kvjax/axes.py``'s: ``num_pages`` (the group's pool, the null page
 ``NULL_PAGE`` included), ``max_seqs`` (block-table rows, the sequence slots),
-``pages_per_seq`` (block-table width; ``PageState.max_blocks`` holds it) and
+``pages_per_seq`` (block-table width; ``DeviceBlockPool.max_blocks`` holds it) and
 ``tokens_per_block`` (tokens per page and block). Besides them, ``index_slots`` counts the
 slots of the open-addressing block index (a power of two >= 2 num_pages).
 
@@ -54,7 +54,7 @@ _MAX_STAMP = np.iinfo(np.int32).max
 
 
 @flax.struct.dataclass
-class PageState:
+class DeviceBlockPool:
     """Allocation state of one page pool (all arrays int32 unless noted).
 
     Attributes:
@@ -103,7 +103,7 @@ class PageState:
         return self.block_tables.shape[1]
 
 
-def init_state(num_pages: int, max_seqs: int, max_blocks: int, tokens_per_block: int) -> PageState:
+def init_block_pool(num_pages: int, max_seqs: int, max_blocks: int, tokens_per_block: int) -> DeviceBlockPool:
     """An empty pool: every page but ``NULL_PAGE`` free, no rows, an empty index.
 
     Raises:
@@ -116,7 +116,7 @@ def init_state(num_pages: int, max_seqs: int, max_blocks: int, tokens_per_block:
     slots = 1 << (2 * num_pages - 1).bit_length()
     free = np.zeros(num_pages, np.int32)
     free[: num_pages - 1] = np.arange(num_pages - 1, 0, -1)  # page 1 on top
-    return PageState(
+    return DeviceBlockPool(
         free_pages=jnp.asarray(free),
         num_free=jnp.int32(num_pages - 1),
         ref_counts=jnp.zeros(num_pages, jnp.int32),
@@ -151,37 +151,39 @@ def index_keys(block_keys: list[bytes], width: int) -> tuple[np.ndarray, np.ndar
     return hi, lo
 
 
-def select(ok: jax.Array, new: PageState, old: PageState) -> PageState:
+def select(ok: jax.Array, new: DeviceBlockPool, old: DeviceBlockPool) -> DeviceBlockPool:
     """``new`` where ``ok`` ([] bool) else ``old``, leaf by leaf (to discard a failed update)."""
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def _home(state: PageState, lo: jax.Array) -> jax.Array:
-    return (lo & jnp.uint32(state.index.shape[0] - 1)).astype(jnp.int32)
+def _home(pool: DeviceBlockPool, lo: jax.Array) -> jax.Array:
+    return (lo & jnp.uint32(pool.index.shape[0] - 1)).astype(jnp.int32)
 
 
-def lookup(state: PageState, hi: jax.Array, lo: jax.Array) -> jax.Array:
+def lookup(pool: DeviceBlockPool, hi: jax.Array, lo: jax.Array) -> jax.Array:
     """[] page holding the block with index key (hi, lo), or -1 (linear probing from the key's
     home slot until an ``EMPTY`` slot, at most index_slots probes)."""
-    mask = state.index.shape[0] - 1
+    mask = pool.index.shape[0] - 1
 
     def cond(carry: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
         slot, steps, found = carry
-        return (found < 0) & (steps <= mask) & (state.index[slot] != EMPTY)
+        return (found < 0) & (steps <= mask) & (pool.index[slot] != EMPTY)
 
     def body(carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         slot, steps, found = carry
-        page = state.index[slot]
+        page = pool.index[slot]
         p = jnp.maximum(page, 0)
-        hit = (page >= 0) & (state.key_hi[p] == hi) & (state.key_lo[p] == lo)
+        hit = (page >= 0) & (pool.key_hi[p] == hi) & (pool.key_lo[p] == lo)
         return (slot + 1) & mask, steps + 1, jnp.where(hit, page, found)
 
-    _, _, found = jax.lax.while_loop(cond, body, (_home(state, lo), jnp.int32(0), jnp.int32(_NO_PAGE)))
+    _, _, found = jax.lax.while_loop(cond, body, (_home(pool, lo), jnp.int32(0), jnp.int32(_NO_PAGE)))
     return found
 
 
 @jax.jit
-def match_prefix(state: PageState, hi: jax.Array, lo: jax.Array, num_keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+def match_prefix(
+    pool: DeviceBlockPool, hi: jax.Array, lo: jax.Array, num_keys: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Longest run of leading blocks found in the index.
 
     Args:
@@ -192,81 +194,81 @@ def match_prefix(state: PageState, hi: jax.Array, lo: jax.Array, num_keys: jax.A
     Returns:
       (num_matched [], pages [width]: the matched blocks' pages, -1 past the run).
     """
-    pages = jax.vmap(lambda h, low: lookup(state, h, low))(hi, lo)
+    pages = jax.vmap(lambda h, low: lookup(pool, h, low))(hi, lo)
     hit = (pages >= 0) & (jnp.arange(pages.shape[0]) < num_keys)
     run = jnp.cumprod(hit.astype(jnp.int32))
     return run.sum(), jnp.where(run > 0, pages, _NO_PAGE)
 
 
-def num_available(state: PageState) -> jax.Array:
+def num_available(pool: DeviceBlockPool) -> jax.Array:
     """[] pages that can be handed out now: free ones plus indexed unreferenced ones."""
-    return state.num_free + jnp.sum(state.indexed & (state.ref_counts == 0))
+    return pool.num_free + jnp.sum(pool.indexed & (pool.ref_counts == 0))
 
 
-def evict_lru(state: PageState, count: jax.Array) -> PageState:
+def evict_lru(pool: DeviceBlockPool, count: jax.Array) -> DeviceBlockPool:
     """Evicts up to ``count`` indexed unreferenced pages, least recently released first (ties
     by page id): they leave the index and go on the free stack."""
-    n = state.num_pages
-    candidate = state.indexed & (state.ref_counts == 0)
-    order = jnp.argsort(jnp.where(candidate, state.last_use, _MAX_STAMP), stable=True)
+    n = pool.num_pages
+    candidate = pool.indexed & (pool.ref_counts == 0)
+    order = jnp.argsort(jnp.where(candidate, pool.last_use, _MAX_STAMP), stable=True)
     rank = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     evict = candidate & (rank < count)
-    slots = jnp.where(evict, state.index_slot, state.index.shape[0])
-    position = state.num_free + jnp.cumsum(evict) - 1
+    slots = jnp.where(evict, pool.index_slot, pool.index.shape[0])
+    position = pool.num_free + jnp.cumsum(evict) - 1
     return dataclasses.replace(
-        state,
-        index=state.index.at[slots].set(TOMBSTONE, mode="drop"),
-        index_slot=jnp.where(evict, _NO_PAGE, state.index_slot),
-        indexed=state.indexed & ~evict,
-        free_pages=state.free_pages.at[jnp.where(evict, position, n)].set(jnp.arange(n, dtype=jnp.int32), mode="drop"),
-        num_free=state.num_free + jnp.sum(evict, dtype=jnp.int32),
+        pool,
+        index=pool.index.at[slots].set(TOMBSTONE, mode="drop"),
+        index_slot=jnp.where(evict, _NO_PAGE, pool.index_slot),
+        indexed=pool.indexed & ~evict,
+        free_pages=pool.free_pages.at[jnp.where(evict, position, n)].set(jnp.arange(n, dtype=jnp.int32), mode="drop"),
+        num_free=pool.num_free + jnp.sum(evict, dtype=jnp.int32),
     )
 
 
-def take_pages(state: PageState, need: jax.Array) -> tuple[PageState, jax.Array, jax.Array]:
+def take_pages(pool: DeviceBlockPool, need: jax.Array) -> tuple[DeviceBlockPool, jax.Array, jax.Array]:
     """One page for each True entry of ``need`` (1-D bool: a row's [pages_per_seq] blocks or
     the [max_seqs] rows), from the free stack, evicting LRU pages when the stack runs short.
     The pages get reference count 1.
 
     Returns:
-      (state, pages shaped like ``need``: ``NULL_PAGE`` where not needed, ok []: enough pages
-      were available; when False the returned state must be discarded).
+      (pool, pages shaped like ``need``: ``NULL_PAGE`` where not needed, ok []: enough pages
+      were available; when False the returned pool must be discarded).
     """
     m = jnp.sum(need, dtype=jnp.int32)
-    ok = m <= num_available(state)
-    state = evict_lru(state, jnp.maximum(m - state.num_free, 0))
+    ok = m <= num_available(pool)
+    pool = evict_lru(pool, jnp.maximum(m - pool.num_free, 0))
     rank = jnp.cumsum(need) - 1
-    pages = jnp.where(need, state.free_pages[jnp.clip(state.num_free - 1 - rank, 0)], NULL_PAGE)
-    state = dataclasses.replace(
-        state,
-        num_free=state.num_free - m,
-        ref_counts=state.ref_counts.at[pages].add(need.astype(jnp.int32)),
+    pages = jnp.where(need, pool.free_pages[jnp.clip(pool.num_free - 1 - rank, 0)], NULL_PAGE)
+    pool = dataclasses.replace(
+        pool,
+        num_free=pool.num_free - m,
+        ref_counts=pool.ref_counts.at[pages].add(need.astype(jnp.int32)),
     )
-    return state, pages, ok
+    return pool, pages, ok
 
 
 @jax.jit
-def allocate(state: PageState, row: jax.Array, num_tokens: jax.Array) -> tuple[PageState, jax.Array]:
+def allocate(pool: DeviceBlockPool, row: jax.Array, num_tokens: jax.Array) -> tuple[DeviceBlockPool, jax.Array]:
     """Grows ``row`` to cache slots for its first ``num_tokens`` tokens (<= pages_per_seq pages).
 
     Returns:
-      (state, ok []): unchanged state and False when the pool lacks the pages.
+      (pool, ok []): unchanged pool and False when the pool lacks the pages.
     """
-    j = jnp.arange(state.max_blocks)
-    held = state.num_blocks[row]
-    target = (num_tokens + state.tokens_per_block - 1) // state.tokens_per_block
+    j = jnp.arange(pool.max_blocks)
+    held = pool.num_blocks[row]
+    target = (num_tokens + pool.tokens_per_block - 1) // pool.tokens_per_block
     need = (j >= held) & (j < target)
-    new, pages, ok = take_pages(state, need)
+    new, pages, ok = take_pages(pool, need)
     new = dataclasses.replace(
         new,
         block_tables=new.block_tables.at[row].set(jnp.where(need, pages, new.block_tables[row])),
         num_blocks=new.num_blocks.at[row].set(jnp.maximum(held, target)),
         seq_lens=new.seq_lens.at[row].set(jnp.maximum(new.seq_lens[row], num_tokens)),
     )
-    return select(ok, new, state), ok
+    return select(ok, new, pool), ok
 
 
-def append_tokens(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, jax.Array]:
+def append_tokens(pool: DeviceBlockPool, active: jax.Array) -> tuple[DeviceBlockPool, jax.Array, jax.Array]:
     """Gives every active row a cache slot for one more token, taking a page for each row
     whose last page is full.
 
@@ -274,40 +276,40 @@ def append_tokens(state: PageState, active: jax.Array) -> tuple[PageState, jax.A
       active: [max_seqs] bool.
 
     Returns:
-      (state, positions [max_seqs]: the new tokens' positions, -1 for inactive rows, ok []);
-      when ok is False the returned state must be discarded.
+      (pool, positions [max_seqs]: the new tokens' positions, -1 for inactive rows, ok []);
+      when ok is False the returned pool must be discarded.
     """
-    rows = jnp.arange(state.max_seqs)
-    position = state.seq_lens
-    need = active & (position == state.num_blocks * state.tokens_per_block)
-    state, pages, ok = take_pages(state, need)
-    column = jnp.where(need, state.num_blocks, state.max_blocks)
-    state = dataclasses.replace(
-        state,
-        block_tables=state.block_tables.at[rows, column].set(pages, mode="drop"),
-        num_blocks=state.num_blocks + need,
-        seq_lens=state.seq_lens + active,
+    rows = jnp.arange(pool.max_seqs)
+    position = pool.seq_lens
+    need = active & (position == pool.num_blocks * pool.tokens_per_block)
+    pool, pages, ok = take_pages(pool, need)
+    column = jnp.where(need, pool.num_blocks, pool.max_blocks)
+    pool = dataclasses.replace(
+        pool,
+        block_tables=pool.block_tables.at[rows, column].set(pages, mode="drop"),
+        num_blocks=pool.num_blocks + need,
+        seq_lens=pool.seq_lens + active,
     )
-    return state, jnp.where(active, position, -1), ok
+    return pool, jnp.where(active, position, -1), ok
 
 
-def _insert(state: PageState, page: jax.Array, hi: jax.Array, lo: jax.Array) -> PageState:
-    mask = state.index.shape[0] - 1
-    slot = jax.lax.while_loop(lambda s: state.index[s] >= 0, lambda s: (s + 1) & mask, _home(state, lo))
+def _insert(pool: DeviceBlockPool, page: jax.Array, hi: jax.Array, lo: jax.Array) -> DeviceBlockPool:
+    mask = pool.index.shape[0] - 1
+    slot = jax.lax.while_loop(lambda s: pool.index[s] >= 0, lambda s: (s + 1) & mask, _home(pool, lo))
     return dataclasses.replace(
-        state,
-        index=state.index.at[slot].set(page),
-        index_slot=state.index_slot.at[page].set(slot),
-        indexed=state.indexed.at[page].set(True),
-        key_hi=state.key_hi.at[page].set(hi),
-        key_lo=state.key_lo.at[page].set(lo),
+        pool,
+        index=pool.index.at[slot].set(page),
+        index_slot=pool.index_slot.at[page].set(slot),
+        indexed=pool.indexed.at[page].set(True),
+        key_hi=pool.key_hi.at[page].set(hi),
+        key_lo=pool.key_lo.at[page].set(lo),
     )
 
 
 @jax.jit
 def commit_blocks(
-    state: PageState, rows: jax.Array, blocks: jax.Array, hi: jax.Array, lo: jax.Array, valid: jax.Array
-) -> PageState:
+    pool: DeviceBlockPool, rows: jax.Array, blocks: jax.Array, hi: jax.Array, lo: jax.Array, valid: jax.Array
+) -> DeviceBlockPool:
     """Enters full blocks into the index, in order.
 
     Args:
@@ -319,55 +321,55 @@ def commit_blocks(
     is already indexed, is skipped.
     """
 
-    def body(i: int, state: PageState) -> PageState:
-        page = state.block_tables[rows[i], blocks[i]]
-        fresh = valid[i] & (page != NULL_PAGE) & ~state.indexed[page] & (lookup(state, hi[i], lo[i]) < 0)
-        return jax.lax.cond(fresh, lambda s: _insert(s, page, hi[i], lo[i]), lambda s: s, state)
+    def body(i: int, pool: DeviceBlockPool) -> DeviceBlockPool:
+        page = pool.block_tables[rows[i], blocks[i]]
+        fresh = valid[i] & (page != NULL_PAGE) & ~pool.indexed[page] & (lookup(pool, hi[i], lo[i]) < 0)
+        return jax.lax.cond(fresh, lambda s: _insert(s, page, hi[i], lo[i]), lambda s: s, pool)
 
-    return jax.lax.fori_loop(0, rows.shape[0], body, state)
+    return jax.lax.fori_loop(0, rows.shape[0], body, pool)
 
 
 @jax.jit
-def acquire_prefix(state: PageState, row: jax.Array, pages: jax.Array, num_matched: jax.Array) -> PageState:
+def acquire_prefix(pool: DeviceBlockPool, row: jax.Array, pages: jax.Array, num_matched: jax.Array) -> DeviceBlockPool:
     """Points an empty ``row`` at the first ``num_matched`` of ``pages`` [width] (from
     ``match_prefix``; width <= pages_per_seq), taking a reference on each."""
     j = jnp.arange(pages.shape[0])
     take = j < num_matched
-    table = state.block_tables[row].at[j].set(jnp.where(take, pages, NULL_PAGE))
+    table = pool.block_tables[row].at[j].set(jnp.where(take, pages, NULL_PAGE))
     return dataclasses.replace(
-        state,
-        ref_counts=state.ref_counts.at[jnp.where(take, pages, state.num_pages)].add(1, mode="drop"),
-        block_tables=state.block_tables.at[row].set(table),
-        num_blocks=state.num_blocks.at[row].set(num_matched),
-        seq_lens=state.seq_lens.at[row].set(num_matched * state.tokens_per_block),
+        pool,
+        ref_counts=pool.ref_counts.at[jnp.where(take, pages, pool.num_pages)].add(1, mode="drop"),
+        block_tables=pool.block_tables.at[row].set(table),
+        num_blocks=pool.num_blocks.at[row].set(num_matched),
+        seq_lens=pool.seq_lens.at[row].set(num_matched * pool.tokens_per_block),
     )
 
 
 @jax.jit
-def free_row(state: PageState, row: jax.Array) -> PageState:
+def free_row(pool: DeviceBlockPool, row: jax.Array) -> DeviceBlockPool:
     """Releases every page of ``row`` and empties it. Pages left unreferenced go back to the
     free stack unless they hold an indexed block, which stays matchable (and evictable),
     stamped so that the row's later blocks are evicted before its earlier ones."""
-    n = state.num_pages
-    j = jnp.arange(state.max_blocks)
-    count = state.num_blocks[row]
+    n = pool.num_pages
+    j = jnp.arange(pool.max_blocks)
+    count = pool.num_blocks[row]
     held = j < count
-    pages = state.block_tables[row]
+    pages = pool.block_tables[row]
     target = jnp.where(held, pages, n)
-    ref_counts = state.ref_counts.at[target].add(-1, mode="drop")
-    last_use = state.last_use.at[target].set(state.clock + count - 1 - j, mode="drop")
-    freed = held & (ref_counts[pages] == 0) & ~state.indexed[pages]
-    position = state.num_free + jnp.cumsum(freed) - 1
+    ref_counts = pool.ref_counts.at[target].add(-1, mode="drop")
+    last_use = pool.last_use.at[target].set(pool.clock + count - 1 - j, mode="drop")
+    freed = held & (ref_counts[pages] == 0) & ~pool.indexed[pages]
+    position = pool.num_free + jnp.cumsum(freed) - 1
     return dataclasses.replace(
-        state,
+        pool,
         ref_counts=ref_counts,
         last_use=last_use,
-        clock=state.clock + count,
-        free_pages=state.free_pages.at[jnp.where(freed, position, n)].set(pages, mode="drop"),
-        num_free=state.num_free + jnp.sum(freed, dtype=jnp.int32),
-        block_tables=state.block_tables.at[row].set(NULL_PAGE),
-        num_blocks=state.num_blocks.at[row].set(0),
-        seq_lens=state.seq_lens.at[row].set(0),
+        clock=pool.clock + count,
+        free_pages=pool.free_pages.at[jnp.where(freed, position, n)].set(pages, mode="drop"),
+        num_free=pool.num_free + jnp.sum(freed, dtype=jnp.int32),
+        block_tables=pool.block_tables.at[row].set(NULL_PAGE),
+        num_blocks=pool.num_blocks.at[row].set(0),
+        seq_lens=pool.seq_lens.at[row].set(0),
     )
 
 
@@ -379,7 +381,7 @@ available = jax.jit(num_available)
 """``num_available`` as its own dispatch (host callers)."""
 
 
-def check_invariants(state: PageState) -> None:
+def check_invariants(pool: DeviceBlockPool) -> None:
     """Raises ``AssertionError`` naming the first broken invariant (host-side, for tests):
 
     * the free stack holds distinct pages, none the null page, each unreferenced and not
@@ -387,7 +389,7 @@ def check_invariants(state: PageState) -> None:
     * each page's reference count equals the block-table entries pointing at it;
     * the index names exactly the indexed pages, each at its recorded slot, under its key.
     """
-    s = jax.device_get(state)
+    s = jax.device_get(pool)
     n = s.ref_counts.shape[0]
     free = s.free_pages[: int(s.num_free)]
     assert len(set(free.tolist())) == len(free), f"free stack has duplicates: {sorted(free.tolist())}"
@@ -415,7 +417,7 @@ def check_invariants(state: PageState) -> None:
 __all__ = [
     "EMPTY",
     "TOMBSTONE",
-    "PageState",
+    "DeviceBlockPool",
     "acquire_prefix",
     "allocate",
     "append_tokens",
@@ -427,7 +429,7 @@ __all__ = [
     "free_row",
     "index_key",
     "index_keys",
-    "init_state",
+    "init_block_pool",
     "lookup",
     "match_prefix",
     "num_available",
