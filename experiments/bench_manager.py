@@ -133,9 +133,7 @@ def plot(op_rows: Sequence[dict], compare: Sequence[dict], path: pathlib.Path) -
         ax1.legend(fontsize=8)
     else:
         ax1.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:

@@ -229,9 +229,7 @@ def plot(attention: list[dict], windows: list[dict], offload: list[dict], path: 
         ylabel="distinct prompts reusable",
         title="capacity with host offload",
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def _by(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:

@@ -18,6 +18,7 @@ import matplotlib
 import numpy as np
 from einops import rearrange
 
+from experiments.report import save_figure
 from experiments.timing import median_seconds
 from kvjax import attention
 
@@ -67,7 +68,9 @@ def measure(config: ml_collections.ConfigDict, context_len: int) -> dict:
     sm_scale = config.head_dim**-0.5
 
     paged = jax.jit(
-        lambda q, kp, vp, n, t: attention.paged_attention(q, kp, vp, n, t, sm_scale=sm_scale, impl=config.impl)
+        lambda q, kp, vp, n, t: attention.paged_attention(
+            q, attention.PagedKV(kp, vp, n, t), attention.AttentionSpec(sm_scale), impl=config.impl
+        )
     )
     contiguous = jax.jit(lambda q, k, v, n: contiguous_decode(q, k, v, n, sm_scale))
     copy = jax.jit(lambda x: x + jnp.ones((), x.dtype))
@@ -129,9 +132,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     ax.plot(contexts, [row["copy_bytes_per_s"] / 1e9 for row in rows], linestyle="--", label="copy")
     ax.set(xscale="log", xlabel="context length (tokens)", ylabel="GB/s", title="decode attention bandwidth")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:

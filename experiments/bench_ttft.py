@@ -114,9 +114,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xticks(lengths, [str(n) for n in lengths])
     axes[1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:

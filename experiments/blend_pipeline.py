@@ -131,9 +131,7 @@ def plot_ttft(rows: list[dict], config: ml_collections.ConfigDict, path: pathlib
         ax.set(xscale="log", xlabel=f"{tier} read bandwidth (GB/s, emulated)", ylabel="median TTFT (s)",
                title=f"chunks on the {tier} tier (dotted: on the device)")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def plot_timeline(timeline_rows: list[dict], path: pathlib.Path) -> None:
@@ -148,9 +146,7 @@ def plot_timeline(timeline_rows: list[dict], path: pathlib.Path) -> None:
         ax.set(yticks=[0, 1], yticklabels=["compute", "load"], title=f"{key[3]}, {key[0]} at {key[1]:g} GB/s, {key[2]}")
         ax.title.set_fontsize(8)
     axes[-1, 0].set_xlabel("ms since the blended prefill started (one bar per layer)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path, dpi=110)
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:

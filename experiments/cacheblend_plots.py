@@ -21,6 +21,7 @@ import pathlib
 import matplotlib
 import numpy as np
 
+from experiments.report import save_figure
 from kvjax import metrics
 
 matplotlib.use("Agg")
@@ -28,12 +29,6 @@ import matplotlib.pyplot as plt
 
 CDF_LAYERS = (1, 4, 10, 20)
 _SIZE = (5.5, 3.6)
-
-
-def _save(fig: plt.Figure, path: pathlib.Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def policy_quality(path: pathlib.Path, rows: list[dict], ratio: float) -> None:
@@ -46,7 +41,7 @@ def policy_quality(path: pathlib.Path, rows: list[dict], ratio: float) -> None:
     ax.errorbar(mean, y, xerr=err, fmt="o", capsize=3)
     ax.set_yticks(y, [r["policy"] for r in rows])
     ax.set(xlabel="gold score (mean over prompts, 95% CI)", title=f"Task quality at {ratio:.0%} recompute")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def quality_vs_ratio(
@@ -67,7 +62,7 @@ def quality_vs_ratio(
     ax.set_xticks(ratios, [f"{r:g}" for r in ratios])
     ax.set(xlabel="recompute ratio (% of chunk tokens)", ylabel=label)
     ax.legend(fontsize=7, ncol=2)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def deviation_figures(workdir: pathlib.Path, devs: list[np.ndarray]) -> dict:
@@ -85,7 +80,7 @@ def deviation_figures(workdir: pathlib.Path, devs: list[np.ndarray]) -> dict:
     ax.set_xscale("log")
     ax.set(xlabel="relative KV deviation of reused tokens", ylabel="share of chunk tokens below")
     ax.legend()
-    _save(fig, workdir / "kv_deviation_cdf.png")
+    save_figure(fig, workdir / "kv_deviation_cdf.png")
 
     fracs = np.linspace(0, 1, 101)
     shares = []
@@ -100,13 +95,13 @@ def deviation_figures(workdir: pathlib.Path, devs: list[np.ndarray]) -> dict:
     ax.axvline(15, color="red", lw=0.8)
     ax.set(xlabel="% of tokens (highest deviation first)", ylabel="share of total KV deviation")
     ax.legend()
-    _save(fig, workdir / "deviation_concentration.png")
+    save_figure(fig, workdir / "deviation_concentration.png")
 
     spear = np.mean([metrics.adjacent_layer_spearman(d) for d in devs], axis=0)
     fig, ax = plt.subplots(figsize=_SIZE)
     ax.plot(np.arange(1, len(spear) + 1), spear, marker="o", ms=3)
     ax.set(xlabel="layer l (vs l - 1)", ylabel="Spearman of token deviations", ylim=(min(0, spear.min()), 1))
-    _save(fig, workdir / "adjacent_layer_correlation.png")
+    save_figure(fig, workdir / "adjacent_layer_correlation.png")
     return {"top15_share_by_layer": np.mean([metrics.top_share(d, 0.15) for d in devs], axis=0),
             "adjacent_spearman_by_layer": spear}
 
@@ -124,7 +119,7 @@ def deviation_by_layer(path: pathlib.Path, per_policy: dict[str, list[dict]], na
                     label=f"{name}: recomputed")
     ax.set(xlabel="layer", ylabel="relative KV deviation", yscale="log")
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def significant_front(points: list[tuple[float, float, float, float]]) -> list[tuple[float, float]]:
@@ -171,4 +166,4 @@ def pareto(path: pathlib.Path, rows: list[dict], sweep_rows: list[dict], cost: s
         ax.plot(*zip(*front), "--", color="gray", lw=0.8, label="front (beyond noise)")
     ax.set(xlabel=label, ylabel=ylabel)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    _save(fig, path)
+    save_figure(fig, path)

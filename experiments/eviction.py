@@ -128,9 +128,7 @@ def plot(rows: Sequence[dict], path: pathlib.Path) -> None:
     ax.set_ylim(0, 1)
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title("Eviction policy under memory pressure (same trace)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:

@@ -46,9 +46,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     ax.set_ylabel("TTFT (s)")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:

@@ -243,11 +243,12 @@ def attention_only(
         kv = q[:, :, : cfg.num_kv_heads]
         pool_k[layer] = write_layer(pool_k[layer], page_ids, offsets, kv)
         pool_v[layer] = write_layer(pool_v[layer], page_ids, offsets, kv)
-        options = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl)
+        kv = attention.paged_kv(pool_k[layer], pool_v[layer], lengths, table)
+        spec = attention.AttentionSpec(cfg.sm_scale, layout.window_of(layer))
         if q.shape[1] == 1:
-            q = attention.paged_attention(q[:, 0], pool_k[layer], pool_v[layer], lengths, table, **options)[:, None]
+            q = attention.paged_attention(q[:, 0], kv, spec, impl=attn_impl)[:, None]
         else:
-            q = attention.partial_attention(q, positions, pool_k[layer], pool_v[layer], lengths, table, **options)
+            q = attention.partial_attention(q, positions, kv, spec, impl=attn_impl)
     return q, PagePool(k=tuple(pool_k), v=tuple(pool_v))
 
 

@@ -668,9 +668,7 @@ def plot(windows: dict[str, list[dict]], path: pathlib.Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path, dpi=110)
 
 
 def _comparable(config: ml_collections.ConfigDict) -> dict:

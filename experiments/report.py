@@ -14,8 +14,10 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import matplotlib.pyplot as plt
 import ml_collections
 import numpy as np
+from matplotlib.figure import Figure
 
 
 def jsonable(value: Any, *, nan_as_text: bool = True) -> Any:
@@ -71,6 +73,13 @@ def write_csv(path: pathlib.Path, rows: Sequence[Mapping[str, Any]], columns: Se
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows([{c: jsonable(r.get(c)) for c in columns} for r in rows])
+
+
+def save_figure(fig: Figure, path: pathlib.Path, dpi: int = 120) -> None:
+    """Lays ``fig`` out, writes it to ``path`` (PNG at ``dpi``) and releases it from pyplot."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def write_summary(workdir: pathlib.Path, title: str, sections: Sequence[tuple[str, str]]) -> None:

@@ -142,9 +142,7 @@ def plot(cells: list[dict], rows: list[dict], path: pathlib.Path, title: str) ->
             ax.ticklabel_format(axis="x", style="plain", useOffset=False)
             ax.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:

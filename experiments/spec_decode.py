@@ -266,9 +266,7 @@ def plot(rows: Sequence[dict], path: pathlib.Path, batches: Sequence[int]) -> No
         ax.set_ylabel("decode tokens/s, relative to no speculation")
         ax.set_title(f"batch {batch}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:

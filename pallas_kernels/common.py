@@ -1,5 +1,6 @@
-"""Pieces shared by the attention implementations: the shared arguments and their
-validation, row layout, and the online-softmax step of every kernel and of the blocked XLA form.
+"""Pieces shared by the attention implementations: the shared arguments (``PagedKV``,
+``AttentionSpec``) and their validation, row layout, and the online-softmax step of every
+kernel and of the blocked XLA form.
 
 The kernels see one KV head at a time. Its query heads (``group`` of them) and the query
 tokens of one block are flattened into *rows*, ordered (query, group)::
@@ -13,6 +14,8 @@ Axis letters are ``kvjax/axes.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from einops import rearrange
@@ -23,32 +26,38 @@ QUANTIZED_STORAGE = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 """Page dtypes that come with scales (dequantized inside the kernels)."""
 
 
-def check_inputs(
-    q: jax.Array,
-    q_positions: jax.Array | None,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
-    *,
-    sliding_window: int | None,
-    logit_soft_cap: float | None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-) -> None:
-    """Trace-time checks of the attention arguments; raises ValueError naming the one that is off.
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """How an attention call turns q·k into weights; a static argument of every entry (hashable).
 
-    Every implementation of both ops (``partial_attention``: query rows at absolute
-    positions; ``paged_attention``: decode, one query per sequence at ``lengths - 1``, without
-    ``q_positions``) takes these arguments, the arrays positionally in this order and the
-    rest by keyword; this docstring is where they are documented, ``sm_scale`` included
-    (taken by every entry, not checked here).
+    Attributes:
+      sm_scale: scale of q·k.
+      sliding_window: None, or a positive window in tokens: a key is visible only if
+        query_pos - key_pos < sliding_window.
+      logit_soft_cap: None, or a positive cap: logits become cap * tanh(logits / cap).
 
-    Args:
-      q: partial attention [num_seqs, num_queries, num_heads, head_dim]; decode
-        [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
-      q_positions: partial attention [num_seqs, num_queries] int32 absolute positions, a
-        negative one marks a padding row (its output is zero); decode has none (None here).
+    Raises:
+      ValueError: naming the field outside its range.
+    """
+
+    sm_scale: float
+    sliding_window: int | None = None
+    logit_soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        sliding_window, logit_soft_cap = self.sliding_window, self.logit_soft_cap
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"{sliding_window=} must be None or >= 1")
+        if logit_soft_cap is not None and logit_soft_cap <= 0:
+            raise ValueError(f"{logit_soft_cap=} must be None or > 0")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """One layer's paged keys and values as an attention call reads them (a pytree).
+
+    Attributes:
       k_pages, v_pages: [num_pages, tokens_per_block, num_kv_heads, head_dim], one layer's
         pool; ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA / MQA).
       lengths: [num_seqs] int32 valid KV slots of each sequence (in decode the new token
@@ -57,14 +66,40 @@ def check_inputs(
       page_indices: [num_seqs, pages_per_seq] int32 block tables: key slot ``j`` of sequence
         ``i`` is ``k_pages[page_indices[i, j // tokens_per_block], j % tokens_per_block]``.
         Entries past a sequence's length may point anywhere in the pool (e.g. the null page).
-      sm_scale: scale of q·k.
-      sliding_window: None, or a positive window in tokens: a key is visible only if
-        query_pos - key_pos < sliding_window.
-      logit_soft_cap: None, or a positive cap: logits become cap * tanh(logits / cap).
       k_scales, v_scales: both None (float pages), or both [num_pages, tokens_per_block or 1,
         num_kv_heads] float32 per-token or per-page scales of int8 / float8_e4m3fn pages
         (K = k_pages * k_scales), dequantized inside attention.
     """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    lengths: jax.Array
+    page_indices: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+
+    @property
+    def scales(self) -> tuple[jax.Array, ...]:
+        """(k_scales, v_scales) for quantized pages, () for float pages."""
+        return () if self.k_scales is None or self.v_scales is None else (self.k_scales, self.v_scales)
+
+
+def check_inputs(q: jax.Array, q_positions: jax.Array | None, kv: PagedKV) -> None:
+    """Trace-time checks of the attention arguments; raises ValueError naming the one that is off.
+
+    Every implementation of both ops (``partial_attention``: query rows at absolute
+    positions; ``paged_attention``: decode, one query per sequence at ``lengths - 1``, without
+    ``q_positions``) takes ``q``, then ``q_positions`` (partial only), ``kv`` and an
+    ``AttentionSpec``, positionally in this order, and its tuning by keyword.
+
+    Args:
+      q: partial attention [num_seqs, num_queries, num_heads, head_dim]; decode
+        [num_seqs, num_heads, head_dim], the query of the token at position lengths - 1.
+      q_positions: partial attention [num_seqs, num_queries] int32 absolute positions, a
+        negative one marks a padding row (its output is zero); decode has none (None here).
+      kv: the pages, lengths and block tables (``PagedKV``).
+    """
+    k_pages, v_pages, lengths, page_indices = kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices
     decode = q_positions is None
     expected = "[num_seqs, num_heads, head_dim]" if decode else "[num_seqs, num_queries, num_heads, head_dim]"
     if q.ndim != (3 if decode else 4):
@@ -92,11 +127,7 @@ def check_inputs(
     for name, array in integers if q_positions is None else (("q_positions", q_positions), *integers):
         if array.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={array.dtype} must be int32")
-    check_scales(k_pages, k_scales, v_scales)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{sliding_window=} must be None or >= 1")
-    if logit_soft_cap is not None and logit_soft_cap <= 0:
-        raise ValueError(f"{logit_soft_cap=} must be None or > 0")
+    check_scales(k_pages, kv.k_scales, kv.v_scales)
 
 
 def check_scales(k_pages: jax.Array, k_scales: jax.Array | None, v_scales: jax.Array | None) -> None:
@@ -237,8 +268,7 @@ def softmax_step(
     visible: jax.Array | None,
     key_live: jax.Array | None = None,
     *,
-    sm_scale: float,
-    logit_soft_cap: float | None,
+    spec: AttentionSpec,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> Carry:
@@ -264,8 +294,8 @@ def softmax_step(
         block (no mask is built; padding rows then accumulate garbage the caller zeroes).
       key_live: bool broadcastable to [..., k, 1], the slots whose values are read (the
         others' are zeroed); None = the slots some row sees (every slot when ``visible`` is None).
-      sm_scale: scale of q·k (1.0 when q arrives scaled).
-      logit_soft_cap: None, or logits become cap * tanh(logits / cap).
+      spec: scale and soft cap (its ``sm_scale`` 1.0 when q arrives scaled; the window is
+        the caller's, in ``visible``).
       k_scale, v_scale: None (float k, v), or float32 scales broadcastable to [..., 1, k] of
         quantized k, v (with a ``visible`` mask: a masked slot's scale may be anything).
 
@@ -282,9 +312,9 @@ def softmax_step(
     logits = jnp.einsum("...rd,...kd->...rk", q, k, precision=precision, preferred_element_type=jnp.float32)
     if k_scale is not None:
         logits = logits * k_scale
-    logits = logits * sm_scale  # [..., r, k]
-    if logit_soft_cap is not None:
-        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+    logits = logits * spec.sm_scale  # [..., r, k]
+    if spec.logit_soft_cap is not None:
+        logits = spec.logit_soft_cap * jnp.tanh(logits / spec.logit_soft_cap)
     if visible is not None:
         logits = jnp.where(visible, logits, MASK_VALUE)
     m_next = jnp.maximum(m, jnp.max(logits, axis=-1, keepdims=True))  # [..., r, 1]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import resource
 
 import jax
 import numpy as np
+import psutil
 import pytest
 
 from kvjax.cache import CacheLayout
@@ -33,6 +35,24 @@ def _release_compiled_programs():
     recompiles cheap."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _memory_log(request: pytest.FixtureRequest):
+    """With ``KVJAX_TEST_MEMORY_LOG=<folder>``, appends each test's resident memory to
+    ``<folder>/<worker>.csv``: the worker's RSS after the test, its children's (subprocess
+    tests), and the worker's peak so far, in MiB (how ``docs/testing.md`` measures the suite)."""
+    yield
+    folder = os.environ.get("KVJAX_TEST_MEMORY_LOG")
+    if not folder:
+        return
+    process = psutil.Process()
+    children = sum(child.memory_info().rss for child in process.children(recursive=True))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    path = pathlib.Path(folder) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        out.write(f"{request.node.nodeid},{process.memory_info().rss / 2**20:.0f},{children / 2**20:.0f},{peak:.0f}\n")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

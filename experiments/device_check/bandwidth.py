@@ -26,6 +26,7 @@ from experiments.bench_paged_attention import contiguous_decode
 from experiments.device_check.correctness import MOSAIC_PATH, PAGED_PATH, mosaic_skip_reason
 from experiments.device_check.stages import SKIPPED, Context, Table, error_text
 from kvjax.cache.quant import KV_STORAGE_DTYPES
+from pallas_kernels.common import AttentionSpec, PagedKV
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import mosaic_gpu as paged_mosaic
 from pallas_kernels.paged_attention.reference import paged_attention_ref
@@ -108,8 +109,9 @@ def dtype_rows(context: Context, kv_dtype: str, ceiling: float, permuted: np.nda
     shape = (1 + len(permuted), tokens_per_block, num_kv_heads, head_dim)
     k_pages, k_scales = make_pool(jax.random.key(1), shape, kv_dtype)
     v_pages, v_scales = make_pool(jax.random.key(2), shape, kv_dtype)
-    scales = {} if k_scales is None else dict(k_scales=k_scales, v_scales=v_scales)
-    token_bytes = 2 * num_kv_heads * (head_dim * k_pages.dtype.itemsize + (4 if scales else 0))
+    quantized = k_scales is not None
+    token_bytes = 2 * num_kv_heads * (head_dim * k_pages.dtype.itemsize + (4 if quantized else 0))
+    spec = AttentionSpec(sm_scale)
 
     def problem(batch: int, context_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [batch, num_heads, head_dim] bf16, lengths [batch], block table [batch, context_len / tokens_per_block]."""
@@ -118,16 +120,14 @@ def dtype_rows(context: Context, kv_dtype: str, ceiling: float, permuted: np.nda
                 jnp.asarray(permuted[: batch * pages].reshape(batch, pages)))
 
     def kernel(q: jax.Array, lengths: jax.Array, table: jax.Array, **blocking: int) -> jax.Array:
-        return paged_gpu.paged_attention(
-            q, k_pages, v_pages, lengths, table, sm_scale=sm_scale, interpret=sizes.interpret, **blocking, **scales
-        )
+        kv = PagedKV(k_pages, v_pages, lengths, table, k_scales, v_scales)
+        return paged_gpu.paged_attention(q, kv, spec, interpret=sizes.interpret, **blocking)
 
     def mosaic(q: jax.Array, lengths: jax.Array, table: jax.Array) -> jax.Array:
-        return paged_mosaic.paged_attention(
-            q, k_pages, v_pages, lengths, table, sm_scale=sm_scale, interpret=sizes.interpret
-        )
+        kv = PagedKV(k_pages, v_pages, lengths, table)
+        return paged_mosaic.paged_attention(q, kv, spec, interpret=sizes.interpret)
 
-    with_mosaic = not scales and mosaic_skip_reason(sizes.interpret) is None and paged_mosaic.supports(
+    with_mosaic = not quantized and mosaic_skip_reason(sizes.interpret) is None and paged_mosaic.supports(
         k_pages.dtype, tokens_per_block, head_dim, num_heads // num_kv_heads, False)
     rows = []
     for batch in sizes.bw_batches:
@@ -165,7 +165,7 @@ def dtype_rows(context: Context, kv_dtype: str, ceiling: float, permuted: np.nda
                 ceiling,
             )
         )
-    reference = jax.jit(lambda q, k, v, n, t: paged_attention_ref(q, k, v, n, t, sm_scale=sm_scale))
+    reference = jax.jit(lambda q, k, v, n, t: paged_attention_ref(q, PagedKV(k, v, n, t), spec))
     rows.append(measure_point(context, "xla reference (gather)", kv_dtype, batch, context_len,
                               lambda: reference(q, k_pages, v_pages, lengths, table), token_bytes, ceiling))
     owned = 1 + batch * context_len // tokens_per_block

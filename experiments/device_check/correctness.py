@@ -21,6 +21,7 @@ import numpy as np
 from experiments.device_check.sizes import GridCase
 from experiments.device_check.stages import SKIPPED, Context, Table, error_text
 from kvjax.testing.paged_inputs import TOLERANCE, make_inputs, quantize_inputs
+from pallas_kernels.common import AttentionSpec
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import mosaic_gpu as paged_mosaic
 from pallas_kernels.paged_attention.reference import paged_attention_ref
@@ -30,9 +31,8 @@ from pallas_kernels.partial_attention.reference import partial_attention_ref
 PAGED_PATH = "paged decode, Pallas Triton"
 PARTIAL_PATH = "partial attention, Pallas Triton"
 MOSAIC_PATH = "paged decode, Pallas Mosaic GPU"
-OPTIONS = ("sm_scale", "sliding_window", "logit_soft_cap")
-paged_ref = jax.jit(paged_attention_ref, static_argnames=OPTIONS)
-partial_ref = jax.jit(partial_attention_ref, static_argnames=OPTIONS)
+paged_ref = jax.jit(paged_attention_ref, static_argnames="spec")
+partial_ref = jax.jit(partial_attention_ref, static_argnames="spec")
 """The references, jitted: one program per shape instead of one per operation."""
 VARIANTS = ((None, None, 1), (100, 30.0, 1), (None, None, 48), (70, None, 48))
 """(sliding_window, logit_soft_cap, queries per sequence): one query is decode, 48 a prefill chunk."""
@@ -94,24 +94,20 @@ def check_case(context: Context, case: GridCase, window: int | None, cap: float 
             pages_per_seq=context.sizes.pages_per_seq, head_dim=head_dim, dtype=jnp.dtype(dtype),
             num_queries=num_queries, chunked=num_queries > 1, sliding_window=window,
         )
-        options = dict(sm_scale=head_dim**-0.5, sliding_window=window, logit_soft_cap=cap)
-        pages, clean, scales = (inputs.k_pages, inputs.v_pages), (inputs.clean_k_pages, inputs.clean_v_pages), {}
+        spec = AttentionSpec(head_dim**-0.5, window, cap)
+        kv, clean = inputs.kv, inputs.clean_kv
         if kv_dtype is not None:
             quant = quantize_inputs(inputs, kv_dtype, granularity)
-            pages, clean = (quant.k_pages, quant.v_pages), (quant.dequantized_k_pages, quant.dequantized_v_pages)
-            scales = dict(k_scales=quant.k_scales, v_scales=quant.v_scales)
-        table = (inputs.lengths, inputs.page_indices)
+            kv, clean = quant.kv(inputs), quant.dequantized_kv(inputs)
         if op == "decode":
             q = inputs.q[:, 0]
-            expected = paged_ref(q, *clean, *table, **options)
+            expected = paged_ref(q, clean, spec)
             kernel = paged_mosaic.paged_attention if mosaic else paged_gpu.paged_attention
-            actual = kernel(q, *pages, *table, **options, **scales, interpret=context.sizes.interpret)
+            actual = kernel(q, kv, spec, interpret=context.sizes.interpret)
         else:
             args = (inputs.q, inputs.q_positions)
-            expected = partial_ref(*args, *clean, *table, **options)
-            actual = partial_gpu.partial_attention(
-                *args, *pages, *table, **options, **scales, interpret=context.sizes.interpret
-            )
+            expected = partial_ref(*args, clean, spec)
+            actual = partial_gpu.partial_attention(*args, kv, spec, interpret=context.sizes.interpret)
         row["max_rel_err"] = max_rel_error(actual, expected)
         row["ok"] = row["max_rel_err"] <= TOLERANCE[dtype]
     except Exception as error:

@@ -27,64 +27,20 @@ from kvjax.model.tokenizer import Tokenizer
 TASKS = ("cross_chunk_binding", "two_hop", "scoped_override", "single_chunk")
 
 _FIRST = [
-    "Ivan",
-    "Mira",
-    "Tomas",
-    "Aiko",
-    "Lena",
-    "Omar",
-    "Priya",
-    "Jonas",
-    "Sofia",
-    "Mateo",
-    "Hana",
-    "Felix",
-    "Nadia",
-    "Ravi",
+    "Ivan", "Mira", "Tomas", "Aiko", "Lena", "Omar", "Priya",
+    "Jonas", "Sofia", "Mateo", "Hana", "Felix", "Nadia", "Ravi",
 ]
 _LAST = [
-    "Petrov",
-    "Olsen",
-    "Novak",
-    "Tanaka",
-    "Berg",
-    "Haddad",
-    "Rao",
-    "Weber",
-    "Costa",
-    "Silva",
-    "Kim",
-    "Moreau",
-    "Ivanova",
-    "Singh",
+    "Petrov", "Olsen", "Novak", "Tanaka", "Berg", "Haddad", "Rao",
+    "Weber", "Costa", "Silva", "Kim", "Moreau", "Ivanova", "Singh",
 ]
 _CODES = [
-    "Falcon",
-    "Juniper",
-    "Cobalt",
-    "Orchid",
-    "Granite",
-    "Harbor",
-    "Saffron",
-    "Quartz",
-    "Willow",
-    "Ember",
-    "Nimbus",
-    "Tundra",
+    "Falcon", "Juniper", "Cobalt", "Orchid", "Granite", "Harbor",
+    "Saffron", "Quartz", "Willow", "Ember", "Nimbus", "Tundra",
 ]
 _CITIES = [
-    "Lyon",
-    "Osaka",
-    "Porto",
-    "Krakow",
-    "Denver",
-    "Nairobi",
-    "Quito",
-    "Oslo",
-    "Perth",
-    "Seville",
-    "Tbilisi",
-    "Halifax",
+    "Lyon", "Osaka", "Porto", "Krakow", "Denver", "Nairobi",
+    "Quito", "Oslo", "Perth", "Seville", "Tbilisi", "Halifax",
 ]
 _OFFICES = ["north", "river", "harbor", "central", "hill", "garden", "station", "bridge", "market", "lake"]
 _PROJECTS = ["Atlas", "Beacon", "Cinder", "Delta", "Echo", "Fjord", "Gale", "Helix", "Iris", "Jade"]
@@ -102,16 +58,8 @@ _FILLER = [
 ]
 _ADJ = ["annual", "quiet", "modest", "sudden", "careful", "regional", "gradual", "seasonal", "minor", "steady"]
 _NOUN = [
-    "garden",
-    "bridge",
-    "archive",
-    "fountain",
-    "warehouse",
-    "tram line",
-    "clinic",
-    "harbor wall",
-    "bakery",
-    "school",
+    "garden", "bridge", "archive", "fountain", "warehouse",
+    "tram line", "clinic", "harbor wall", "bakery", "school",
 ]
 _PLACE = ["town hall", "market square", "museum", "railway station", "park", "community center", "old mill", "pier"]
 

@@ -32,13 +32,14 @@ each first gathers its own pages of every sequence (others read as zeros) and on
 all-reduce over ``pages`` assembles each sequence's K/V run, which the kernel then reads
 through an identity block table. The pool itself is never all-gathered.
 
-Quantized pools: ``k_pages`` / ``v_pages`` may be ``kvjax.cache.QuantizedPages`` (int8 or
-float8_e4m3fn values with per-token or per-page scales); their values and scales go to the
-chosen implementation, which dequantizes inside attention. Over a mesh only float pages are
-supported for now.
+Every op takes its queries, the keys and values (``PagedKV``: pages, lengths, block tables)
+and an ``AttentionSpec`` (scale, window, soft cap), documented and checked by
+``pallas_kernels.common.check_inputs``. Quantized pools: ``paged_kv`` makes the ``PagedKV`` of
+``kvjax.cache.QuantizedPages`` (int8 or float8_e4m3fn values with per-token or per-page
+scales); the chosen implementation dequantizes inside attention. Over a mesh only float pages
+are supported for now.
 
-Axis letters and names are ``kvjax/axes.py``'s; the arguments of both entry points are
-documented (and checked) by ``pallas_kernels.common.check_inputs``.
+Axis letters and names are ``kvjax/axes.py``'s.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from kvjax.attention import blocked, rows
 from kvjax.cache.quant import QuantizedPages
+from pallas_kernels.common import AttentionSpec, PagedKV
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import mosaic_gpu as paged_mosaic_gpu
 from pallas_kernels.paged_attention import tpu as paged_tpu
@@ -90,18 +92,27 @@ def _choose(impl: str, interpret_kernel: str) -> tuple[str, bool | pltpu.Interpr
     return "blocked", False
 
 
-def _unpack(k_pages: jax.Array | QuantizedPages, v_pages: jax.Array | QuantizedPages,
-            mesh: Mesh | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """(k values, v values, the kernels' ``k_scales``/``v_scales`` keywords; empty for float pages)."""
+def paged_kv(
+    k_pages: jax.Array | QuantizedPages,
+    v_pages: jax.Array | QuantizedPages,
+    lengths: jax.Array,
+    page_indices: jax.Array,
+) -> PagedKV:
+    """One layer's pages as the attention ops read them: float pages as they are, quantized
+    pages (``QuantizedPages``) as their values with their scales.
+
+    Args:
+      k_pages, v_pages: [num_pages, tokens_per_block, num_kv_heads, head_dim] arrays, or both
+        ``QuantizedPages``; lengths: [s] int32; page_indices: [s, p] int32 block tables.
+
+    Raises:
+      ValueError: one of ``k_pages`` / ``v_pages`` quantized and the other not.
+    """
     if isinstance(k_pages, QuantizedPages) and isinstance(v_pages, QuantizedPages):
-        if mesh is not None:
-            raise ValueError(
-                "quantized KV pages (int8 / fp8) over a device mesh are not supported; use a float KV dtype"
-            )
-        return k_pages.values, v_pages.values, {"k_scales": k_pages.scales, "v_scales": v_pages.scales}
+        return PagedKV(k_pages.values, v_pages.values, lengths, page_indices, k_pages.scales, v_pages.scales)
     if isinstance(k_pages, QuantizedPages) or isinstance(v_pages, QuantizedPages):
         raise ValueError("k_pages and v_pages must both be quantized (QuantizedPages) or both be arrays")
-    return k_pages, v_pages, {}
+    return PagedKV(k_pages, v_pages, lengths, page_indices)
 
 
 _IMPLEMENTATIONS: dict[str, dict[str, Callable[..., jax.Array]]] = {
@@ -116,15 +127,10 @@ _IMPLEMENTATIONS: dict[str, dict[str, Callable[..., jax.Array]]] = {
 def _attend(
     op: str,
     q: jax.Array,
-    k_pages: jax.Array | QuantizedPages,
-    v_pages: jax.Array | QuantizedPages,
-    lengths: jax.Array,
-    page_indices: jax.Array,
     q_positions: jax.Array | None,
+    kv: PagedKV,
+    spec: AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None,
-    logit_soft_cap: float | None,
     impl: Impl,
     interpret_kernel: Kernel,
     mesh: Mesh | None,
@@ -132,25 +138,27 @@ def _attend(
     """The one dispatcher of both ops: ``op`` ("partial" with ``q_positions``, or "paged")
     through the implementation ``impl`` resolves to, per device when ``mesh`` is given."""
     kernel, interpret = _choose(impl, interpret_kernel)
-    k_pages, v_pages, scales = _unpack(k_pages, v_pages, mesh)
-    options: dict[str, Any] = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
-    rest = () if q_positions is None else (q_positions,)
     if mesh is not None:
+        if kv.scales:
+            raise ValueError(
+                "quantized KV pages (int8 / fp8) over a device mesh are not supported; use a float KV dtype"
+            )
 
         def local(
-            q: jax.Array, kp: jax.Array, vp: jax.Array, lengths: jax.Array, table: jax.Array, *rest: jax.Array
+            q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array, table: jax.Array, *rest: jax.Array
         ) -> jax.Array:
-            return _attend(op, q, kp, vp, lengths, table, *(rest or (None,)), **options, impl=impl,
-                           interpret_kernel=interpret_kernel, mesh=None)
+            local_kv = PagedKV(k_pages, v_pages, lengths, table)
+            positions = rest[0] if rest else None
+            return _attend(op, q, positions, local_kv, spec, impl=impl, interpret_kernel=interpret_kernel, mesh=None)
 
-        return _over_mesh(local, mesh, q, k_pages, v_pages, lengths, page_indices, *rest)
-    args = (q, *rest, k_pages, v_pages, lengths, page_indices)
+        rest = () if q_positions is None else (q_positions,)
+        return _over_mesh(local, mesh, q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices, *rest)
     implementation = _IMPLEMENTATIONS[op][kernel]
-    if kernel in ("tpu", "gpu"):
-        options["interpret"] = interpret
+    options: dict[str, Any] = {"interpret": interpret} if kernel in ("tpu", "gpu") else {}
     if op == "paged" and kernel == "gpu" and interpret is False:
-        implementation = paged_gpu_kernel(q, k_pages, quantized=bool(scales))
-    return implementation(*args, **options, **scales)
+        implementation = paged_gpu_kernel(q, kv.k_pages, quantized=bool(kv.scales))
+    queries = (q,) if q_positions is None else (q, q_positions)
+    return implementation(*queries, kv, spec, **options)
 
 
 def paged_gpu_kernel(q: jax.Array, k_pages: jax.Array, *, quantized: bool) -> Callable[..., jax.Array]:
@@ -174,46 +182,33 @@ def paged_gpu_kernel(q: jax.Array, k_pages: jax.Array, *, quantized: bool) -> Ca
 def partial_attention(
     q: jax.Array,
     q_positions: jax.Array,
-    k_pages: jax.Array | QuantizedPages,
-    v_pages: jax.Array | QuantizedPages,
-    lengths: jax.Array,
-    page_indices: jax.Array,
+    kv: PagedKV,
+    spec: AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     impl: Impl = "auto",
     interpret_kernel: Kernel = "gpu",
     mesh: Mesh | None = None,
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV.
 
-    The attention arguments are ``pallas_kernels.common.check_inputs``'s (pages may be
-    ``QuantizedPages``); ``impl``, ``interpret_kernel`` and ``mesh`` are the module docstring's.
+    The attention arguments are ``pallas_kernels.common.check_inputs``'s (``paged_kv`` builds
+    ``kv`` from quantized pages too); ``impl``, ``interpret_kernel`` and ``mesh`` are the
+    module docstring's.
     """
-    return _attend("partial", q, k_pages, v_pages, lengths, page_indices, q_positions, sm_scale=sm_scale,
-                   sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, impl=impl,
-                   interpret_kernel=interpret_kernel, mesh=mesh)
+    return _attend("partial", q, q_positions, kv, spec, impl=impl, interpret_kernel=interpret_kernel, mesh=mesh)
 
 
 def paged_attention(
     q: jax.Array,
-    k_pages: jax.Array | QuantizedPages,
-    v_pages: jax.Array | QuantizedPages,
-    lengths: jax.Array,
-    page_indices: jax.Array,
+    kv: PagedKV,
+    spec: AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     impl: Impl = "auto",
     interpret_kernel: Kernel = "gpu",
     mesh: Mesh | None = None,
 ) -> jax.Array:
     """Decode attention, one query per sequence; arguments as in ``partial_attention``, less ``q_positions``."""
-    return _attend("paged", q, k_pages, v_pages, lengths, page_indices, None, sm_scale=sm_scale,
-                   sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, impl=impl,
-                   interpret_kernel=interpret_kernel, mesh=mesh)
+    return _attend("paged", q, None, kv, spec, impl=impl, interpret_kernel=interpret_kernel, mesh=mesh)
 
 
 def row_attention(
@@ -222,11 +217,9 @@ def row_attention(
     k: jax.Array,
     v: jax.Array,
     length: jax.Array,
+    spec: AttentionSpec,
     *,
-    sm_scale: float,
     tokens_per_block: int,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     impl: Impl = "auto",
     interpret_kernel: Kernel = "gpu",
 ) -> jax.Array:
@@ -238,19 +231,19 @@ def row_attention(
     Args:
       q: [q, H, d]; q_positions: [q] int32 (negative = padding row, output zero).
       k, v: [T, h, d], T a multiple of ``tokens_per_block``; length: [] int32 valid slots.
+      spec: scale, window and soft cap.
 
     Returns:
       [q, H, d] in q's dtype.
     """
     kernel, _ = _choose(impl, interpret_kernel)
-    options: dict[str, Any] = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
     if kernel == "blocked":
-        return rows.row_attention(q, q_positions, k, v, length, **options)
+        return rows.row_attention(q, q_positions, k, v, length, spec)
     t = k.shape[0]
     pages = (t // tokens_per_block, tokens_per_block, *k.shape[1:])
     table = jnp.arange(t // tokens_per_block, dtype=jnp.int32)[None]
-    return partial_attention(q[None], q_positions[None], k.reshape(pages), v.reshape(pages), length[None], table,
-                             impl=impl, interpret_kernel=interpret_kernel, **options)[0]
+    kv = PagedKV(k.reshape(pages), v.reshape(pages), length[None], table)
+    return partial_attention(q[None], q_positions[None], kv, spec, impl=impl, interpret_kernel=interpret_kernel)[0]
 
 
 def _over_mesh(

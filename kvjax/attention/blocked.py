@@ -20,15 +20,24 @@ On a 2-core CPU against the reference (SmolLM2 shapes, 9 query / 3 KV heads, pag
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.common import MASK_VALUE, Carry, check_inputs, initial_carry, softmax_step, visible_mask
+from pallas_kernels.common import (
+    MASK_VALUE,
+    AttentionSpec,
+    Carry,
+    PagedKV,
+    check_inputs,
+    initial_carry,
+    softmax_step,
+    visible_mask,
+)
 
 BLOCK_Q = 256
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
@@ -36,42 +45,33 @@ BLOCK_K = 256
 """Key slots per block, rounded down to whole pages."""
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "block_q", "block_k"))
+@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k"))
 def partial_attention(
     q: jax.Array,
     q_positions: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
+    kv: PagedKV,
+    spec: AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of query rows at absolute positions over paged keys and values.
 
     Args:
-      q, q_positions, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window,
-        logit_soft_cap, k_scales, v_scales: the attention arguments
-        (``pallas_kernels.common.check_inputs``); each sequence's run is dequantized once.
+      q, q_positions, kv, spec: the attention arguments (``pallas_kernels.common.check_inputs``);
+        each sequence's run is dequantized once.
       block_q: query rows per block; block_k: key slots per block (>= one page).
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
-    check_inputs(q, q_positions, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
-                 logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales)
+    check_inputs(q, q_positions, kv)
     num_queries = q.shape[1]
-    tokens_per_block = k_pages.shape[1]
-    pages_per_seq = page_indices.shape[1]
+    tokens_per_block = kv.k_pages.shape[1]
+    pages_per_seq = kv.page_indices.shape[1]
     pages_per_block = max(1, min(block_k // tokens_per_block, pages_per_seq))
     num_key_blocks = -(-pages_per_seq // pages_per_block)
-    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_key_blocks * pages_per_block - pages_per_seq)))
+    page_indices = jnp.pad(kv.page_indices, ((0, 0), (0, num_key_blocks * pages_per_block - pages_per_seq)))
 
     rows = min(block_q, num_queries)
     num_query_blocks = -(-num_queries // rows)
@@ -83,18 +83,11 @@ def partial_attention(
     # instead makes the loop carry the whole pool, which XLA then copies on every call.)
     k_blocks, v_blocks = (
         rearrange(_gather(pages, scales, page_indices), "s (n p) t h d -> n s h (p t) d", p=pages_per_block)
-        for pages, scales in ((k_pages, k_scales), (v_pages, v_scales))
+        for pages, scales in ((kv.k_pages, kv.k_scales), (kv.v_pages, kv.v_scales))
     )
-    options: dict[str, Any] = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
     blocks = [
-        query_block(
-            q[:, i * rows : (i + 1) * rows],
-            q_positions[:, i * rows : (i + 1) * rows],
-            k_blocks,
-            v_blocks,
-            lengths,
-            **options,
-        )
+        query_block(q[:, i * rows : (i + 1) * rows], q_positions[:, i * rows : (i + 1) * rows], k_blocks, v_blocks,
+                    kv.lengths, spec)
         for i in range(num_query_blocks)
     ]
     return jnp.concatenate(blocks, axis=1)[:, :num_queries].astype(q.dtype)
@@ -106,10 +99,7 @@ def query_block(
     k_blocks: jax.Array,
     v_blocks: jax.Array,
     lengths: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None,
-    logit_soft_cap: float | None,
+    spec: AttentionSpec,
 ) -> jax.Array:
     """One block of query rows of each sequence over its key blocks: an online softmax over the
     blocks that hold a visible slot (``over_key_blocks``), masked exactly by position
@@ -121,13 +111,15 @@ def query_block(
       qb: [s, q, H, d] queries; pos: [s, q] int32 their positions (negative = padding row).
       k_blocks, v_blocks: [n, s, h, k, d] float32, key block j holding slots j*k .. j*k + k - 1.
       lengths: [s] int32 valid slots of each sequence.
+      spec: scale, window and soft cap.
 
     Returns:
       [s, q, H, d] float32 (zero for padding rows).
     """
     num_key_blocks, _, num_kv_heads, slots_per_block, head_dim = k_blocks.shape
     group = qb.shape[2] // num_kv_heads
-    qg = rearrange(qb, "s q (h g) d -> s h (g q) d", h=num_kv_heads).astype(jnp.float32) * sm_scale
+    qg = rearrange(qb, "s q (h g) d -> s h (g q) d", h=num_kv_heads).astype(jnp.float32) * spec.sm_scale
+    scaled = dataclasses.replace(spec, sm_scale=1.0)  # qg comes scaled (once per query block, not per key block)
     query_pos = jnp.tile(pos, (1, group))[:, :, None]  # [s, (g q), 1]
     lowest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max))
     highest = jnp.minimum(jnp.max(pos), jnp.max(lengths) - 1)
@@ -136,9 +128,9 @@ def query_block(
         visible = None
         if masked:
             key_pos = j * slots_per_block + jnp.arange(slots_per_block, dtype=jnp.int32)  # [k]
-            visible = visible_mask(query_pos, key_pos[None, None, :], lengths[:, None, None], sliding_window)[:, None]
-        # qg comes scaled by sm_scale (once per query block, not per key block).
-        return softmax_step(carry, qg, k_blocks[j], v_blocks[j], visible, sm_scale=1.0, logit_soft_cap=logit_soft_cap)
+            key_pos = key_pos[None, None, :]
+            visible = visible_mask(query_pos, key_pos, lengths[:, None, None], spec.sliding_window)[:, None]
+        return softmax_step(carry, qg, k_blocks[j], v_blocks[j], visible, spec=scaled)
 
     carry = over_key_blocks(
         attend,
@@ -147,7 +139,7 @@ def query_block(
         block=slots_per_block,
         lowest=lowest,
         highest=highest,
-        sliding_window=sliding_window,
+        sliding_window=spec.sliding_window,
     )
     out = normalized(carry, query_pos[:, None, :, 0] >= 0)
     return rearrange(out, "s h (g q) d -> s q (h g) d", g=group)
@@ -212,19 +204,7 @@ def _gather(pages: jax.Array, scales: jax.Array | None, page_indices: jax.Array)
     return run if scales is None else run * scales[page_indices][..., None]
 
 
-def paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-) -> jax.Array:
+def paged_attention(q: jax.Array, kv: PagedKV, spec: AttentionSpec) -> jax.Array:
     """Decode attention (the query of each sequence is its token at ``lengths - 1``).
 
     One softmax over each sequence's whole gathered run, left in its gathered layout
@@ -236,30 +216,28 @@ def paged_attention(
     tokens 7% / 35% / 29% / 12% faster, batch 1 5% / 17% / 16% / 11%.
 
     Args:
-      q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
-        k_scales, v_scales: the attention arguments of decode (``pallas_kernels.common.check_inputs``).
+      q, kv, spec: the attention arguments of decode (``pallas_kernels.common.check_inputs``).
 
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
     """
-    check_inputs(q, None, k_pages, v_pages, lengths, page_indices, sliding_window=sliding_window,
-                 logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales)
+    check_inputs(q, None, kv)
     num_seqs, _, head_dim = q.shape
-    num_kv_heads = k_pages.shape[2]
+    num_kv_heads, lengths = kv.k_pages.shape[2], kv.lengths
     k, v = (
-        _gather(pages, scales, page_indices).reshape(num_seqs, -1, num_kv_heads, head_dim)
-        for pages, scales in ((k_pages, k_scales), (v_pages, v_scales))
+        _gather(pages, scales, kv.page_indices).reshape(num_seqs, -1, num_kv_heads, head_dim)
+        for pages, scales in ((kv.k_pages, kv.k_scales), (kv.v_pages, kv.v_scales))
     )  # [s, slots, kv_heads, d]
     key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
     # The query of each sequence sits at lengths - 1: [s, slots].
-    visible = visible_mask((lengths - 1)[:, None], key_pos, lengths[:, None], sliding_window)
+    visible = visible_mask((lengths - 1)[:, None], key_pos, lengths[:, None], spec.sliding_window)
     # Slots no query sees may hold anything (the null page, stale or NaN data): zero their
     # values so that 0 * garbage cannot leak; their logits are masked below.
     v = jnp.where(visible[:, :, None, None], v, jnp.zeros((), v.dtype))
-    qg = rearrange(q, "s (h g) d -> s h g d", h=num_kv_heads).astype(jnp.float32) * sm_scale
+    qg = rearrange(q, "s (h g) d -> s h g d", h=num_kv_heads).astype(jnp.float32) * spec.sm_scale
     logits = jnp.einsum("shgd,skhd->shgk", qg, k, preferred_element_type=jnp.float32)
-    if logit_soft_cap is not None:
-        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+    if spec.logit_soft_cap is not None:
+        logits = spec.logit_soft_cap * jnp.tanh(logits / spec.logit_soft_cap)
     logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     probs = jnp.where(visible[:, None, None], jnp.exp(logits - row_max), 0.0)

@@ -31,13 +31,13 @@ per KV head, H query heads, d head_dim, n blocks).
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from einops import rearrange
 
 from kvjax.attention.blocked import query_block
+from pallas_kernels.common import AttentionSpec
 
 BLOCK_Q = 64
 """Query rows per block (per KV head the block holds ``group * BLOCK_Q`` rows)."""
@@ -45,17 +45,15 @@ BLOCK_K = 256
 """Key slots per block."""
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "block_q", "block_k"))
+@functools.partial(jax.jit, static_argnames=("spec", "block_q", "block_k"))
 def row_attention(
     q: jax.Array,
     q_positions: jax.Array,
     k: jax.Array,
     v: jax.Array,
     length: jax.Array,
+    spec: AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
 ) -> jax.Array:
@@ -68,9 +66,7 @@ def row_attention(
       k, v: [kv_len, num_kv_heads, head_dim]; slot i holds position i. Slots at or past
         ``length`` may hold anything (never read into the output).
       length: [] int32 valid slots.
-      sm_scale: scale applied to q·k.
-      sliding_window: a key is visible only if query_pos - key_pos < sliding_window.
-      logit_soft_cap: if set, logits become cap * tanh(logits / cap).
+      spec: scale, window and soft cap (``pallas_kernels.common.AttentionSpec``).
       block_q: query rows per block (>= 1); block_k: key slots per block (>= 1).
 
     Returns:
@@ -101,12 +97,11 @@ def row_attention(
     q = jnp.pad(q, ((0, row_pad), (0, 0), (0, 0)))
     q_positions = jnp.pad(q_positions, (0, row_pad), constant_values=-1)
     lengths = jnp.minimum(jnp.asarray(length, jnp.int32), kv_len)[None]  # [1]
-    options: dict[str, Any] = {"sm_scale": sm_scale, "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
 
     def one_block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
         """A block of rows [rows, H, d] at positions [rows] -> [rows, H, d] float32."""
         qb, pos = args
-        return query_block(qb[None], pos[None], k_blocks, v_blocks, lengths, **options)[0]
+        return query_block(qb[None], pos[None], k_blocks, v_blocks, lengths, spec)[0]
 
     q_blocks = rearrange(q, "(n q) H d -> n q H d", q=rows)
     out = jax.lax.map(one_block, (q_blocks, q_positions.reshape(num_query_blocks, rows)))

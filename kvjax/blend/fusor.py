@@ -182,9 +182,9 @@ def blend_layer(
     target = jnp.where(rows.valid, rows.idx, t)  # invalid rows write nowhere
     seq_k = seq_k.at[target].set(k[0].astype(seq_k.dtype), mode="drop")
     seq_v = seq_v.at[target].set(v[0].astype(seq_v.dtype), mode="drop")
+    spec = attention.AttentionSpec(cfg.sm_scale, layout.window_of(layer))
     out = attention.row_attention(
-        q[0], row_pos, seq_k, seq_v, inputs.length[0], sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer),
-        tokens_per_block=layout.tokens_per_block, impl=attn_impl,
+        q[0], row_pos, seq_k, seq_v, inputs.length[0], spec, tokens_per_block=layout.tokens_per_block, impl=attn_impl
     )  # [M, H, d]
     x = transformer.finish_layer(lp, cfg, rows.x[None], out[None])[0]
     return dataclasses.replace(rows, x=x), seq_k, seq_v, out

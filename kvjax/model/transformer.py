@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import flax.struct
 import jax
@@ -227,12 +227,12 @@ def attend_layer(
     page_ids, offsets = slot_mapping(block_table, positions, layout.tokens_per_block)
     pool_k = write_layer(pool_k, page_ids, offsets, k)
     pool_v = write_layer(pool_v, page_ids, offsets, v)
-    options: dict[str, Any] = dict(sm_scale=cfg.sm_scale, sliding_window=layout.window_of(layer), impl=attn_impl,
-                                   mesh=mesh)
+    kv = attention.paged_kv(pool_k, pool_v, lengths, block_table)
+    spec = attention.AttentionSpec(cfg.sm_scale, layout.window_of(layer))
     if q.shape[1] == 1:  # a decode step: each row's query is its sequence's newest token
-        out = attention.paged_attention(q[:, 0], pool_k, pool_v, lengths, block_table, **options)[:, None]
+        out = attention.paged_attention(q[:, 0], kv, spec, impl=attn_impl, mesh=mesh)[:, None]
     else:
-        out = attention.partial_attention(q, positions, pool_k, pool_v, lengths, block_table, **options)
+        out = attention.partial_attention(q, positions, kv, spec, impl=attn_impl, mesh=mesh)
     return finish_layer(lp, cfg, x, out), pool_k, pool_v
 
 

@@ -17,9 +17,42 @@ import numpy as np
 
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.quant import KV_STORAGE_DTYPES, absmax_scale, quantize
+from pallas_kernels.common import PagedKV
 
 SPARE_PAGES = 2
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+WINDOW_AND_CAP = (
+    {"sliding_window": 1},
+    {"sliding_window": 3},
+    {"sliding_window": 6},
+    {"sliding_window": 8},
+    {"logit_soft_cap": 2.0},
+    {"sliding_window": 5, "logit_soft_cap": 2.0},
+)
+"""``AttentionSpec`` windows and soft caps every implementation is checked with: windows of one
+token, under a page, over a page and of whole pages, a cap alone and with a window."""
+HEADS = ((8, 8), (8, 1), (6, 3), (3, 1))
+"""(num_heads, num_kv_heads): MHA, MQA, GQA with 2 and 3 query heads per KV head, MQA with 3."""
+GRID = (
+    *((tokens_per_block, heads, jnp.float32) for tokens_per_block in (4, 8) for heads in HEADS),
+    *((8, heads, jnp.bfloat16) for heads in HEADS),
+)
+"""(tokens_per_block, heads, dtype) of every implementation's main comparison with the reference."""
+
+
+def grid_id(value: object) -> str:
+    """A pytest id for a ``GRID`` field (a dtype by its name)."""
+    return jnp.dtype(value).name if isinstance(value, type) else str(value)
+
+
+def options_id(options: dict) -> str:
+    """A pytest id for a ``WINDOW_AND_CAP`` entry, e.g. "sliding_window=5-logit_soft_cap=2.0"."""
+    return "-".join(f"{key}={value}" for key, value in options.items())
+
+
+def grid_seed(tokens_per_block: int, heads: tuple[int, int]) -> int:
+    """The seed of a ``GRID`` case: each case its own problem."""
+    return tokens_per_block * 100 + heads[0] * 10 + heads[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +76,16 @@ class PagedInputs:
     clean_v_pages: jnp.ndarray
     lengths: jnp.ndarray
     page_indices: jnp.ndarray
+
+    @property
+    def kv(self) -> PagedKV:
+        """The poisoned pages with their lengths and block tables (what a kernel reads)."""
+        return PagedKV(self.k_pages, self.v_pages, self.lengths, self.page_indices)
+
+    @property
+    def clean_kv(self) -> PagedKV:
+        """The clean pages with their lengths and block tables (what the reference reads)."""
+        return PagedKV(self.clean_k_pages, self.clean_v_pages, self.lengths, self.page_indices)
 
 
 def make_inputs(
@@ -140,6 +183,14 @@ class QuantizedInputs:
     v_scales: jnp.ndarray
     dequantized_k_pages: jnp.ndarray
     dequantized_v_pages: jnp.ndarray
+
+    def kv(self, inputs: PagedInputs) -> PagedKV:
+        """The quantized pages and their scales over ``inputs``' lengths and block tables."""
+        return PagedKV(self.k_pages, self.v_pages, inputs.lengths, inputs.page_indices, self.k_scales, self.v_scales)
+
+    def dequantized_kv(self, inputs: PagedInputs) -> PagedKV:
+        """The dequantized pages over ``inputs``' lengths and block tables (what the reference reads)."""
+        return PagedKV(self.dequantized_k_pages, self.dequantized_v_pages, inputs.lengths, inputs.page_indices)
 
 
 def quantize_inputs(inputs: PagedInputs, dtype: str, granularity: str) -> QuantizedInputs:

@@ -35,9 +35,7 @@ def _kernel(
     lengths_ref,  # [1] int32
     *refs,
     pages_per_block: int,
-    sm_scale: float,
-    sliding_window: int | None,
-    logit_soft_cap: float | None,
+    spec: common.AttentionSpec,
 ):
     # refs: quantized pages' k_scales_ref, v_scales_ref [num_pages, tokens_per_block or 1] (this KV
     # head), then acc_ref [rows, head_dim] float32 (unnormalised numerator), m_ref [rows] float32
@@ -50,7 +48,7 @@ def _kernel(
     block_k = pages_per_block * tokens_per_block
     split_start = split * pages_per_split * tokens_per_block
     length = lengths_ref[0]
-    kv_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    kv_start = 0 if spec.sliding_window is None else jnp.maximum(length - spec.sliding_window, 0)
     first_block = jnp.maximum(kv_start - split_start, 0) // block_k
     end_block = jnp.clip(pl.cdiv(length - split_start, block_k), first_block, pages_per_split // pages_per_block)
     q = q_ref[...]
@@ -61,10 +59,10 @@ def _kernel(
         k = k_pages_ref[pages].reshape(block_k, head_dim)
         v = v_pages_ref[pages].reshape(block_k, head_dim)
         key_pos = split_start + kv_block * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
-        visible = common.visible_mask(row_pos, key_pos[None, :], length, sliding_window)
+        visible = common.visible_mask(row_pos, key_pos[None, :], length, spec.sliding_window)
         key_live = ((key_pos >= kv_start) & (key_pos < length))[:, None]
         return common.softmax_step(
-            carry, q, k, v, visible, key_live, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+            carry, q, k, v, visible, key_live, spec=spec,
             **gather_scales(scale_refs, pages, tokens_per_block),
         )
 
@@ -83,35 +81,23 @@ def choose_k_splits(num_seqs: int, num_kv_heads: int, num_blocks: int, min_progr
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale", "sliding_window", "logit_soft_cap", "pages_per_block", "k_splits",
-        "num_warps", "num_stages", "interpret",
-    ),
+    jax.jit, static_argnames=("spec", "pages_per_block", "k_splits", "num_warps", "num_stages", "interpret")
 )
 def paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
+    kv: common.PagedKV,
+    spec: common.AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     pages_per_block: int | None = None,
     k_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention on GPU: the newest token of each sequence over its pages.
 
     Args:
-      q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
-        k_scales, v_scales: the attention arguments of decode (``pallas_kernels.common.check_inputs``).
+      q, kv, spec: the attention arguments of decode (``pallas_kernels.common.check_inputs``).
       pages_per_block: pages gathered per loop step (power of two); None = tuned table.
       k_splits: shares each table is split into (power of two); None = enough for
         the tuned ``min_programs``.
@@ -121,11 +107,8 @@ def paged_attention(
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
     """
-    common.check_inputs(
-        q, None, k_pages, v_pages, lengths, page_indices,
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
-    )
-    scale_args = () if k_scales is None or v_scales is None else (k_scales, v_scales)
+    common.check_inputs(q, None, kv)
+    k_pages, page_indices, scale_args = kv.k_pages, kv.page_indices, kv.scales
     num_seqs, num_heads, head_dim = q.shape
     num_pages, tokens_per_block, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
@@ -143,13 +126,7 @@ def paged_attention(
 
     q_rows = common.to_rows(q[:, None], num_kv_heads, rows, 1)  # [s, h, rows, d]
     table = common.pad_page_table(page_indices, k_splits * pages_per_split)
-    kernel = functools.partial(
-        _kernel,
-        pages_per_block=pages_per_block,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        logit_soft_cap=logit_soft_cap,
-    )
+    kernel = functools.partial(_kernel, pages_per_block=pages_per_block, spec=spec)
     partial_shape = (k_splits, num_seqs, num_kv_heads, rows)
     acc, m, l = pl.pallas_call(
         kernel,
@@ -177,7 +154,7 @@ def paged_attention(
         ),
         interpret=interpret,
         name="paged_attention_gpu",
-    )(q_rows, k_pages, v_pages, table, lengths[:, None], *scale_args)
+    )(q_rows, k_pages, kv.v_pages, table, kv.lengths[:, None], *scale_args)
 
     m_all = jnp.max(m, axis=0)  # [s, h, rows]
     weight = jnp.exp(m - m_all)  # [k_splits, s, h, rows]

@@ -204,9 +204,7 @@ def _kernel(
     *,
     pages_per_block: int,
     pages_per_split: int,
-    sm_scale: float,
-    sliding_window: int | None,
-    logit_soft_cap: float | None,
+    spec: common.AttentionSpec,
     hardware: bool,
 ):
     # hardware: True when compiling for the GPU: the products are wgmma and the loop's register
@@ -219,7 +217,7 @@ def _kernel(
     block_k = pages_per_block * tokens_per_block
     split_start = split * pages_per_split * tokens_per_block  # first key slot of this split
     length = lengths_ref[seq]
-    kv_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    kv_start = 0 if spec.sliding_window is None else jnp.maximum(length - spec.sliding_window, 0)
     first_block = jnp.maximum(kv_start - split_start, 0) // block_k
     end_block = jnp.clip(pl.cdiv(length - split_start, block_k), first_block, pages_per_split // pages_per_block)
 
@@ -261,9 +259,9 @@ def _kernel(
         block_start = split_start + kv_block * block_k
         plgpu.barrier_wait(k_barriers.at[slot])
 
-        logits = logits_of(q_smem, k_smem.at[slot]) * sm_scale  # [rows, block_k]
-        if logit_soft_cap is not None:
-            logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+        logits = logits_of(q_smem, k_smem.at[slot]) * spec.sm_scale  # [rows, block_k]
+        if spec.logit_soft_cap is not None:
+            logits = spec.logit_soft_cap * jnp.tanh(logits / spec.logit_soft_cap)
         key_pos = block_start + iota((rows, block_k), 1)
         live = (key_pos >= kv_start) & (key_pos < length)  # [rows, block_k]: decode rows share one position
         logits = jnp.where(live, logits, common.MASK_VALUE)
@@ -305,31 +303,20 @@ def interpret_params(interpret: bool | object) -> object | None:
     return InterpretGPUParams() if interpret is True else interpret
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "pages_per_block", "k_splits", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=("spec", "pages_per_block", "k_splits", "interpret"))
 def paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
+    kv: common.PagedKV,
+    spec: common.AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     pages_per_block: int | None = None,
     k_splits: int | None = None,
     interpret: bool | object = False,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention on a Hopper GPU: the newest token of each sequence over its pages.
 
     Args:
-      q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
-        k_scales, v_scales: the attention arguments of decode (``pallas_kernels.common.check_inputs``);
+      q, kv, spec: the attention arguments of decode (``pallas_kernels.common.check_inputs``);
         quantized pages (scales given) are rejected (``check_mosaic_shapes``).
       pages_per_block: pages gathered per loop step; None = the tuned table, raised to a
         multiple of 64 slots (``default_pages_per_block``).
@@ -340,10 +327,8 @@ def paged_attention(
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
     """
-    common.check_inputs(
-        q, None, k_pages, v_pages, lengths, page_indices,
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
-    )
+    common.check_inputs(q, None, kv)
+    k_pages, page_indices = kv.k_pages, kv.page_indices
     if plgpu is None or not has_mosaic_gpu_api():
         raise ValueError(f"jax {jax.__version__} lacks the Mosaic GPU API this kernel needs ({', '.join(_NEEDED_API)})")
     num_seqs, num_heads, head_dim = q.shape
@@ -352,7 +337,7 @@ def paged_attention(
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(tokens_per_block)
     group = num_heads // num_kv_heads
-    check_mosaic_shapes(k_pages.dtype, tokens_per_block, head_dim, pages_per_block, group, k_scales is not None)
+    check_mosaic_shapes(k_pages.dtype, tokens_per_block, head_dim, pages_per_block, group, bool(kv.scales))
     num_blocks = pl.cdiv(pages_per_seq, pages_per_block)
     if k_splits is None:
         k_splits = choose_k_splits(num_seqs, num_kv_heads, num_blocks, block_sizes("gpu", "decode").min_programs)
@@ -369,9 +354,7 @@ def paged_attention(
             _kernel,
             pages_per_block=pages_per_block,
             pages_per_split=pages_per_split,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap,
+            spec=spec,
             hardware=interpret is False,
         ),
         out_type=(
@@ -394,7 +377,7 @@ def paged_attention(
         grid_names=("seqs", "kv_heads", "splits"),
         interpret=interpret_params(interpret),
     )
-    acc, m, l = kernel(q_rows, k_pages, v_pages, table, lengths)
+    acc, m, l = kernel(q_rows, k_pages, kv.v_pages, table, kv.lengths)
 
     m_all = jnp.max(m, axis=0)  # [s, h, rows]
     weight = jnp.exp(m - m_all)  # [k_splits, s, h, rows]

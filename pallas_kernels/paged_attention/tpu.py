@@ -17,56 +17,30 @@ from pallas_kernels.partial_attention import tpu as partial_tpu
 from pallas_kernels.tuned_sizes import block_sizes
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "pages_per_block", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("spec", "pages_per_block", "interpret"))
 def paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
+    kv: common.PagedKV,
+    spec: common.AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     pages_per_block: int | None = None,
     interpret: partial_tpu.InterpretArg = False,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention on TPU: the newest token of each sequence over its pages.
 
     Args:
-      q, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window, logit_soft_cap,
-        k_scales, v_scales: the attention arguments of decode
-        (``pallas_kernels.common.check_inputs``); pages and scales stay in HBM.
+      q, kv, spec: the attention arguments of decode (``pallas_kernels.common.check_inputs``);
+        pages and scales stay in HBM.
       pages_per_block: pages per DMA'd KV block; None = tuned table.
       interpret: False on TPU; True or ``pltpu.InterpretParams()`` to run on CPU.
 
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype.
     """
-    common.check_inputs(
-        q, None, k_pages, v_pages, lengths, page_indices,
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
-    )
+    common.check_inputs(q, None, kv)
     if pages_per_block is None:
-        pages_per_block = block_sizes("tpu", "decode").pages_per_block(k_pages.shape[1])
+        pages_per_block = block_sizes("tpu", "decode").pages_per_block(kv.k_pages.shape[1])
     out = partial_tpu.partial_attention(
-        q[:, None],
-        (lengths - 1)[:, None],
-        k_pages,
-        v_pages,
-        lengths,
-        page_indices,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        logit_soft_cap=logit_soft_cap,
-        block_q=1,
-        pages_per_block=pages_per_block,
-        interpret=interpret,
-        k_scales=k_scales,
-        v_scales=v_scales,
+        q[:, None], (kv.lengths - 1)[:, None], kv, spec, block_q=1, pages_per_block=pages_per_block, interpret=interpret
     )
     return out[:, 0]

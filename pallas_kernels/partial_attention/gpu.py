@@ -37,9 +37,7 @@ def _kernel(
     lengths_ref,  # [1] int32
     *refs,  # quantized: k_scales_ref, v_scales_ref [num_pages, tokens_per_block or 1]; o_ref [block_rows, head_dim]
     pages_per_block: int,
-    sm_scale: float,
-    sliding_window: int | None,
-    logit_soft_cap: float | None,
+    spec: common.AttentionSpec,
 ):
     *scale_refs, o_ref = refs
     block_rows, head_dim = q_ref.shape
@@ -48,7 +46,7 @@ def _kernel(
     length = lengths_ref[0]
     q = q_ref[...]
     row_pos = row_pos_ref[...]  # [block_rows]
-    kv_start, kv_end = common.kv_token_range(row_pos, length, sliding_window)
+    kv_start, kv_end = common.kv_token_range(row_pos, length, spec.sliding_window)
     first_block = kv_start // block_k
     end_block = jnp.where(kv_end > kv_start, pl.cdiv(kv_end, block_k), first_block)
     row_pos = row_pos[:, None]  # [block_rows, 1]
@@ -58,10 +56,10 @@ def _kernel(
         k = k_pages_ref[pages].reshape(block_k, head_dim)
         v = v_pages_ref[pages].reshape(block_k, head_dim)
         key_pos = kv_block * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
-        visible = common.visible_mask(row_pos, key_pos[None, :], length, sliding_window)
+        visible = common.visible_mask(row_pos, key_pos[None, :], length, spec.sliding_window)
         key_live = ((key_pos >= kv_start) & (key_pos < kv_end))[:, None]
         return common.softmax_step(
-            carry, q, k, v, visible, key_live, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+            carry, q, k, v, visible, key_live, spec=spec,
             **gather_scales(scale_refs, pages, tokens_per_block),
         )
 
@@ -70,37 +68,24 @@ def _kernel(
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale", "sliding_window", "logit_soft_cap", "block_q", "pages_per_block",
-        "num_warps", "num_stages", "interpret",
-    ),
+    jax.jit, static_argnames=("spec", "block_q", "pages_per_block", "num_warps", "num_stages", "interpret")
 )
 def partial_attention(
     q: jax.Array,
     q_positions: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
+    kv: common.PagedKV,
+    spec: common.AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV, on GPU (Pallas Triton).
 
     Args:
-      q, q_positions, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window,
-        logit_soft_cap, k_scales, v_scales: the attention arguments
-        (``pallas_kernels.common.check_inputs``).
+      q, q_positions, kv, spec: the attention arguments (``pallas_kernels.common.check_inputs``).
       block_q: queries per program, a power of two; None = tuned table.
       pages_per_block: pages gathered per loop step, a power of two; None = tuned table.
       num_warps, num_stages: Triton launch parameters; None = tuned table.
@@ -109,11 +94,8 @@ def partial_attention(
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
-    common.check_inputs(
-        q, q_positions, k_pages, v_pages, lengths, page_indices,
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
-    )
-    scale_args = () if k_scales is None or v_scales is None else (k_scales, v_scales)
+    common.check_inputs(q, q_positions, kv)
+    k_pages, page_indices, scale_args = kv.k_pages, kv.page_indices, kv.scales
     num_seqs, num_queries, num_heads, head_dim = q.shape
     num_pages, tokens_per_block, num_kv_heads, _ = k_pages.shape
     tuned = block_sizes("gpu", "partial")
@@ -133,13 +115,7 @@ def partial_attention(
     row_pos = common.row_positions(q_positions, group_pad, num_query_blocks * block_q)  # [s, R]
     table = common.pad_page_table(page_indices, pages_per_seq_pad)  # [s, pages_per_seq_pad]
 
-    kernel = functools.partial(
-        _kernel,
-        pages_per_block=pages_per_block,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        logit_soft_cap=logit_soft_cap,
-    )
+    kernel = functools.partial(_kernel, pages_per_block=pages_per_block, spec=spec)
     out = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_query_blocks),
@@ -159,5 +135,5 @@ def partial_attention(
         ),
         interpret=interpret,
         name="partial_attention_gpu",
-    )(rows, row_pos, k_pages, v_pages, table, lengths[:, None], *scale_args)
+    )(rows, row_pos, k_pages, kv.v_pages, table, kv.lengths[:, None], *scale_args)
     return common.from_rows(out, num_queries, group, group_pad)

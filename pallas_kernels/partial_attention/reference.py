@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.common import MASK_VALUE, AttentionSpec, PagedKV
 
 
 def gather_pages(pages: jax.Array, page_indices: jax.Array, scales: jax.Array | None = None) -> jax.Array:
@@ -37,34 +37,21 @@ def gather_pages(pages: jax.Array, page_indices: jax.Array, scales: jax.Array | 
     return rearrange(run, "s p t h d -> s (p t) h d")
 
 
-def partial_attention_ref(
-    q: jax.Array,
-    q_positions: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-) -> jax.Array:
+def partial_attention_ref(q: jax.Array, q_positions: jax.Array, kv: PagedKV, spec: AttentionSpec) -> jax.Array:
     """Attention of query rows at absolute positions over paged keys and values.
 
     Args:
-      q, q_positions, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window,
-        logit_soft_cap, k_scales, v_scales: the attention arguments
-        (``pallas_kernels.common.check_inputs``; the reference does not check them).
+      q, q_positions, kv, spec: the attention arguments (``pallas_kernels.common.check_inputs``;
+        the reference does not check them).
 
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
+    k_pages, lengths, page_indices = kv.k_pages, kv.lengths, kv.page_indices
     num_kv_heads = k_pages.shape[2]
     group = q.shape[2] // num_kv_heads
-    k = gather_pages(k_pages, page_indices, k_scales)  # [s, k, h, d]
-    v = gather_pages(v_pages, page_indices, v_scales)  # [s, k, h, d]
+    k = gather_pages(k_pages, page_indices, kv.k_scales)  # [s, k, h, d]
+    v = gather_pages(kv.v_pages, page_indices, kv.v_scales)  # [s, k, h, d]
     # Slots past a sequence's length may hold anything (the null page, stale or NaN data):
     # zero them so that 0 * garbage cannot leak into the output.
     in_length = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [s, k]
@@ -75,14 +62,14 @@ def partial_attention_ref(
     qg = rearrange(q, "s q (h g) d -> s h (g q) d", h=num_kv_heads)
     k = rearrange(k, "s k h d -> s h k d")
     v = rearrange(v, "s k h d -> s h k d")
-    logits = jnp.einsum("shrd,shkd->shrk", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    if logit_soft_cap is not None:
-        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+    logits = jnp.einsum("shrd,shkd->shrk", qg, k, preferred_element_type=jnp.float32) * spec.sm_scale
+    if spec.logit_soft_cap is not None:
+        logits = spec.logit_soft_cap * jnp.tanh(logits / spec.logit_soft_cap)
     key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :]  # [1, 1, k]
     query_pos = jnp.tile(q_positions, (1, group))[:, :, None]  # [s, (g q), 1]
     visible = (key_pos <= query_pos) & (key_pos < lengths[:, None, None]) & (query_pos >= 0)
-    if sliding_window is not None:
-        visible &= query_pos - key_pos < sliding_window
+    if spec.sliding_window is not None:
+        visible &= query_pos - key_pos < spec.sliding_window
     visible = visible[:, None]  # [s, 1, (g q), k]
     logits = jnp.where(visible, logits, MASK_VALUE)
     probs = jnp.where(visible, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)

@@ -46,9 +46,7 @@ def _kernel(
     v_pages_hbm_ref,  # [num_pages, tokens_per_block, num_kv_heads, head_dim]
     *refs,
     pages_per_seq_pad: int,
-    sm_scale: float,
-    sliding_window: int | None,
-    logit_soft_cap: float | None,
+    spec: common.AttentionSpec,
     quantized: bool,
 ):
     """``refs`` are, for float pages::
@@ -122,43 +120,30 @@ def _kernel(
             )
         key_row = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, block_k]
         key_col = kv_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [block_k, 1]
-        visible = common.visible_mask(row_pos, key_row, length, sliding_window)
+        visible = common.visible_mask(row_pos, key_row, length, spec.sliding_window)
         key_live = (key_col >= kv_start) & (key_col < kv_end)
-        return common.softmax_step(
-            carry, q, k, v, visible, key_live, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap, **scales
-        )
+        return common.softmax_step(carry, q, k, v, visible, key_live, spec=spec, **scales)
 
     _, l, acc = lax.fori_loop(first_block, end_block, body, common.initial_carry((block_rows,), head_dim))
     o_ref[...] = common.finish(l, acc).astype(o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "logit_soft_cap", "block_q", "pages_per_block", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=("spec", "block_q", "pages_per_block", "interpret"))
 def partial_attention(
     q: jax.Array,
     q_positions: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths: jax.Array,
-    page_indices: jax.Array,
+    kv: common.PagedKV,
+    spec: common.AttentionSpec,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     interpret: InterpretArg = False,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Query rows at absolute positions over paged KV, on TPU.
 
     Args:
-      q, q_positions, k_pages, v_pages, lengths, page_indices, sm_scale, sliding_window,
-        logit_soft_cap, k_scales, v_scales: the attention arguments
-        (``pallas_kernels.common.check_inputs``); pages and scales stay in HBM.
+      q, q_positions, kv, spec: the attention arguments (``pallas_kernels.common.check_inputs``);
+        pages and scales stay in HBM.
       block_q: queries per grid step (rows = block_q * group); None = tuned table.
       pages_per_block: pages per DMA'd KV block; None = tuned table.
       interpret: False on TPU; True or ``pltpu.InterpretParams()`` to run on CPU.
@@ -166,11 +151,9 @@ def partial_attention(
     Returns:
       [num_seqs, num_queries, num_heads, head_dim] in q's dtype.
     """
-    common.check_inputs(
-        q, q_positions, k_pages, v_pages, lengths, page_indices,
-        sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, k_scales=k_scales, v_scales=v_scales,
-    )
-    quantized = k_scales is not None
+    common.check_inputs(q, q_positions, kv)
+    k_pages, v_pages, lengths, page_indices, scale_args = kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices, kv.scales
+    quantized = bool(scale_args)
     num_seqs, num_queries, num_heads, head_dim = q.shape
     _, tokens_per_block, num_kv_heads, _ = k_pages.shape
     tuned = block_sizes("tpu", "partial")
@@ -193,27 +176,17 @@ def partial_attention(
     rows = common.to_rows(q, num_kv_heads, group, num_queries_pad)  # [s, h, R, d]
     row_pos = common.row_positions(q_positions, group, num_queries_pad)  # [s, R]
     kv_start, kv_end = common.kv_token_range(
-        row_pos.reshape(num_seqs, num_query_blocks, block_rows), lengths[:, None], sliding_window
+        row_pos.reshape(num_seqs, num_query_blocks, block_rows), lengths[:, None], spec.sliding_window
     )  # [s, num_query_blocks] each
     table = common.pad_page_table(page_indices, pages_per_seq_pad).reshape(-1)
 
-    kernel = functools.partial(
-        _kernel,
-        pages_per_seq_pad=pages_per_seq_pad,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        logit_soft_cap=logit_soft_cap,
-        quantized=quantized,
-    )
+    kernel = functools.partial(_kernel, pages_per_seq_pad=pages_per_seq_pad, spec=spec, quantized=quantized)
     scratch = [
         pltpu.VMEM((2, pages_per_block, tokens_per_block, head_dim), k_pages.dtype),
         pltpu.VMEM((2, pages_per_block, tokens_per_block, head_dim), v_pages.dtype),
     ]
-    scale_args: tuple[jax.Array, ...] = ()
-    if k_scales is not None and v_scales is not None:
-        scale_slots = k_scales.shape[1]
-        scratch += [pltpu.VMEM((2, pages_per_block, scale_slots), jnp.float32)] * 2
-        scale_args = (k_scales, v_scales)
+    if quantized:
+        scratch += [pltpu.VMEM((2, pages_per_block, scale_args[0].shape[1]), jnp.float32)] * 2
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

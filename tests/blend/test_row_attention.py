@@ -13,6 +13,7 @@ import pytest
 
 from kvjax import attention
 from kvjax.attention.rows import row_attention
+from pallas_kernels.common import AttentionSpec, PagedKV
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 
 PAGE = 8
@@ -34,13 +35,14 @@ def make_case(seed: int, heads: tuple[int, int], num_rows: int, length: int, hea
     return q, positions, k, v
 
 
+def spec_of(q: np.ndarray, **options) -> AttentionSpec:
+    return AttentionSpec(q.shape[-1] ** -0.5, **options)
+
+
 def reference(q, positions, k, v, length, **options) -> np.ndarray:
     pages = (SLOTS // PAGE, PAGE, *k.shape[1:])
-    out = partial_attention_ref(
-        q[None], positions[None], k.reshape(pages), v.reshape(pages), jnp.asarray([length]),
-        jnp.arange(SLOTS // PAGE)[None], sm_scale=q.shape[-1] ** -0.5, **options,
-    )
-    return np.asarray(out[0])
+    kv = PagedKV(k.reshape(pages), v.reshape(pages), jnp.asarray([length]), jnp.arange(SLOTS // PAGE)[None])
+    return np.asarray(partial_attention_ref(q[None], positions[None], kv, spec_of(q, **options))[0])
 
 
 OPTIONS = [{}, {"sliding_window": 7}, {"logit_soft_cap": 2.0}]
@@ -56,7 +58,7 @@ def test_matches_paged_reference(block_q, block_k, heads, options):
     expected = reference(q, positions, np.nan_to_num(k), np.nan_to_num(v), length, **options)
     actual = np.asarray(row_attention(
         jnp.asarray(q), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), jnp.int32(length),
-        sm_scale=q.shape[-1] ** -0.5, block_q=block_q, block_k=block_k, **options,
+        spec_of(q, **options), block_q=block_q, block_k=block_k,
     ))
     assert actual.shape == q.shape and np.isfinite(actual).all()
     assert not actual[positions < 0].any(), "padding rows must be zero"
@@ -70,7 +72,7 @@ def test_edge_lengths(num_rows, length):
     for block_q, block_k in itertools.product((2, 64), (4, 64)):
         actual = row_attention(
             jnp.asarray(q), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), jnp.int32(length),
-            sm_scale=q.shape[-1] ** -0.5, block_q=block_q, block_k=block_k,
+            spec_of(q), block_q=block_q, block_k=block_k,
         )
         np.testing.assert_allclose(np.asarray(actual), expected, rtol=2e-5, atol=2e-6)
 
@@ -78,7 +80,8 @@ def test_edge_lengths(num_rows, length):
 def test_all_padding_rows_are_zero():
     _, _, k, v = make_case(0, (6, 3), num_rows=1, length=SLOTS)
     q = jnp.ones((4, 6, 16), jnp.float32)
-    out = row_attention(q, jnp.full(4, -1, jnp.int32), jnp.asarray(k), jnp.asarray(v), jnp.int32(SLOTS), sm_scale=0.25)
+    padding = jnp.full(4, -1, jnp.int32)
+    out = row_attention(q, padding, jnp.asarray(k), jnp.asarray(v), jnp.int32(SLOTS), AttentionSpec(0.25))
     assert not np.asarray(out).any()
 
 
@@ -86,11 +89,11 @@ def test_bad_shapes_name_the_field():
     q = jnp.zeros((4, 5, 16))
     k = jnp.zeros((SLOTS, 2, 16))
     with pytest.raises(ValueError, match="num_heads=5 must be a multiple of num_kv_heads=2"):
-        row_attention(q, jnp.zeros(4, jnp.int32), k, k, jnp.int32(1), sm_scale=1.0)
+        row_attention(q, jnp.zeros(4, jnp.int32), k, k, jnp.int32(1), AttentionSpec(1.0))
     with pytest.raises(ValueError, match=r"q_positions.shape=\(3,\)"):
-        row_attention(jnp.zeros((4, 4, 16)), jnp.zeros(3, jnp.int32), k, k, jnp.int32(1), sm_scale=1.0)
+        row_attention(jnp.zeros((4, 4, 16)), jnp.zeros(3, jnp.int32), k, k, jnp.int32(1), AttentionSpec(1.0))
     with pytest.raises(ValueError, match="block_q=0"):
-        row_attention(jnp.zeros((4, 4, 16)), jnp.zeros(4, jnp.int32), k, k, jnp.int32(1), sm_scale=1.0, block_q=0)
+        row_attention(jnp.zeros((4, 4, 16)), jnp.zeros(4, jnp.int32), k, k, jnp.int32(1), AttentionSpec(1.0), block_q=0)
 
 
 @pytest.mark.parametrize("attn_impl", ["auto", "blocked", "reference"])
@@ -102,6 +105,6 @@ def test_dispatch_matches_reference(attn_impl):
     expected = reference(q, positions, k, v, length, sliding_window=9)
     actual = attention.row_attention(
         jnp.asarray(q), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), jnp.int32(length),
-        sm_scale=q.shape[-1] ** -0.5, sliding_window=9, tokens_per_block=PAGE, impl=attn_impl,
+        spec_of(q, sliding_window=9), tokens_per_block=PAGE, impl=attn_impl,
     )
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=2e-5, atol=2e-6)

@@ -31,14 +31,17 @@ def test_every_kind_is_served_and_every_fault_injected_without_a_violation(tiny_
 
 def test_a_wrong_output_and_a_bad_fault_kind_are_caught(tmp_path, monkeypatch):
     config = get_config("tiny")
-    config.minutes = 2 / 60
+    config.minutes = 4 / 60
     config.faults.kinds = ()
+    config.checks.quantized_logit_tolerance = -1.0  # no int8 request can be this close
     real = soak.Soak._reference
     monkeypatch.setattr(soak.Soak, "_reference", lambda self, p: [*real(self, p), 0])  # one token too many
     results = soak.run(config, tmp_path)
     violations = json.loads((tmp_path / "violations.json").read_text())
     assert results["violations"] == len(violations) > 0
-    assert {v["check"] for v in violations} == {"exact_output"}
+    assert {v["check"] for v in violations} == {"exact_output", "quantized_output"}
+    quantized = next(v for v in violations if v["check"] == "quantized_output")
+    assert quantized["seen"]["max_logit_difference"] >= 0 and quantized["kind"] == "quantized"
     config.faults.kinds = ("power_cut",)
     with pytest.raises(ValueError, match=r"faults.kinds: unknown \['power_cut'\]; allowed: \('abort_mid_prefill'"):
         soak.run(config, tmp_path)

@@ -7,6 +7,7 @@ import pytest
 
 from kvjax import attention
 from kvjax.testing.paged_inputs import assert_close, make_inputs
+from pallas_kernels.common import AttentionSpec
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 
@@ -20,41 +21,35 @@ def inputs():
 
 def test_auto_is_blocked_on_cpu(inputs):
     assert jax.default_backend() == "cpu"
-    args = (inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices)
+    args = (inputs.q, inputs.q_positions, inputs.kv)
 
     def jaxpr_of(**impl: str) -> str:
-        return str(jax.make_jaxpr(lambda *a: attention.partial_attention(*a, sm_scale=0.5, **impl))(*args))
+        return str(jax.make_jaxpr(lambda *a: attention.partial_attention(*a, AttentionSpec(0.5), **impl))(*args))
 
     jaxpr = jaxpr_of()
     assert jaxpr == jaxpr_of(impl="blocked") != jaxpr_of(impl="reference")
     assert "pallas_call" not in jaxpr
-    jaxpr = str(jax.make_jaxpr(lambda *a: attention.partial_attention(*a, sm_scale=0.5, impl="interpret"))(*args))
-    assert "pallas_call" in jaxpr
+    assert "pallas_call" in jaxpr_of(impl="interpret")
 
 
 @pytest.mark.parametrize("interpret_kernel", ["gpu", "tpu"])
 def test_interpret_matches_reference_under_jit(inputs, interpret_kernel):
-    options = dict(sm_scale=0.5, sliding_window=6, impl="interpret", interpret_kernel=interpret_kernel)
-    partial = jax.jit(lambda *a: attention.partial_attention(*a, **options))
-    decode = jax.jit(lambda *a: attention.paged_attention(*a, **options))
-    clean = (inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths, inputs.page_indices)
-    poisoned = (inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices)
+    spec = AttentionSpec(0.5, sliding_window=6)
+    options = dict(impl="interpret", interpret_kernel=interpret_kernel)
+    partial = jax.jit(lambda *a: attention.partial_attention(*a, spec, **options))
+    decode = jax.jit(lambda *a: attention.paged_attention(*a, spec, **options))
     assert_close(
-        partial(inputs.q, inputs.q_positions, *poisoned),
-        partial_attention_ref(inputs.q, inputs.q_positions, *clean, sm_scale=0.5, sliding_window=6),
+        partial(inputs.q, inputs.q_positions, inputs.kv),
+        partial_attention_ref(inputs.q, inputs.q_positions, inputs.clean_kv, spec),
     )
     q = inputs.q[:, 0]
-    assert_close(decode(q, *poisoned), paged_attention_ref(q, *clean, sm_scale=0.5, sliding_window=6))
+    assert_close(decode(q, inputs.kv), paged_attention_ref(q, inputs.clean_kv, spec))
 
 
 def test_rejects_unknown_impl(inputs):
     with pytest.raises(ValueError, match="impl='triton' must be one of"):
-        attention.paged_attention(
-            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-            sm_scale=1.0, impl="triton",
-        )
+        attention.paged_attention(inputs.q[:, 0], inputs.kv, AttentionSpec(1.0), impl="triton")
     with pytest.raises(ValueError, match="interpret_kernel='mgpu' must be one of"):
         attention.paged_attention(
-            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-            sm_scale=1.0, impl="interpret", interpret_kernel="mgpu",
+            inputs.q[:, 0], inputs.kv, AttentionSpec(1.0), impl="interpret", interpret_kernel="mgpu"
         )

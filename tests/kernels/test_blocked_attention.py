@@ -4,18 +4,16 @@ and key blocks, decode wrapper, bf16."""
 
 from __future__ import annotations
 
-import itertools
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax.attention import blocked
-from kvjax.testing.paged_inputs import assert_close, make_inputs
+from kvjax.testing.paged_inputs import GRID, WINDOW_AND_CAP, assert_close, grid_id, grid_seed, make_inputs
+from pallas_kernels.common import AttentionSpec
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 
-HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]
 PAGES_PER_SEQ = 4
 # (block_q, block_k): one block each; several query blocks; several key blocks of one and two pages.
 BLOCKS = [(256, 256), (2, 8), (3, 4)]
@@ -28,29 +26,19 @@ def run_case(*, seed: int, tokens_per_block: int, heads: tuple[int, int], block_
         num_heads=heads[0], num_kv_heads=heads[1], tokens_per_block=tokens_per_block, pages_per_seq=PAGES_PER_SEQ,
         dtype=dtype, num_queries=num_queries, chunked=chunked, sliding_window=options.get("sliding_window"),
     )
-    sm_scale = inputs.q.shape[-1] ** -0.5
-    expected = partial_attention_ref(
-        inputs.q, inputs.q_positions, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
-        inputs.page_indices, sm_scale=sm_scale, **options,
-    )
-    actual = blocked.partial_attention(
-        inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-        sm_scale=sm_scale, block_q=block_q, block_k=block_k, **options,
-    )
+    spec = AttentionSpec(inputs.q.shape[-1] ** -0.5, **options)
+    expected = partial_attention_ref(inputs.q, inputs.q_positions, inputs.clean_kv, spec)
+    actual = blocked.partial_attention(inputs.q, inputs.q_positions, inputs.kv, spec, block_q=block_q, block_k=block_k)
     assert actual.shape == inputs.q.shape and actual.dtype == inputs.q.dtype
     assert not np.asarray(actual, np.float32)[np.asarray(inputs.q_positions) < 0].any(), "padding rows must be zero"
     assert_close(actual, expected)
 
 
 @pytest.mark.parametrize(("block_q", "block_k"), BLOCKS)
-@pytest.mark.parametrize(
-    ("tokens_per_block", "heads", "dtype"),
-    [*itertools.product([4, 8], HEADS, [jnp.float32]), *itertools.product([8], HEADS, [jnp.bfloat16])],
-    ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
-)
+@pytest.mark.parametrize(("tokens_per_block", "heads", "dtype"), GRID, ids=grid_id)
 def test_scattered_rows_match_reference(tokens_per_block, heads, dtype, block_q, block_k):
     run_case(
-        seed=tokens_per_block * 100 + heads[0] * 10 + heads[1],
+        seed=grid_seed(tokens_per_block, heads),
         tokens_per_block=tokens_per_block,
         heads=heads,
         dtype=dtype,
@@ -67,9 +55,7 @@ def test_chunked_prefill(num_queries, block_q, block_k):
 
 
 @pytest.mark.parametrize(("block_q", "block_k"), BLOCKS)
-@pytest.mark.parametrize(
-    "options", [{"sliding_window": 1}, {"sliding_window": 3}, {"sliding_window": 6}, {"logit_soft_cap": 2.0}]
-)
+@pytest.mark.parametrize("options", WINDOW_AND_CAP)
 def test_windows_and_soft_cap(options, block_q, block_k):
     run_case(
         seed=7,
@@ -91,11 +77,9 @@ def test_blocks_every_row_sees_whole_run_unmasked(options, block_q):
     # padding sequence and NaN in unused pages ride along.
     inputs = make_inputs(11, lengths=[16, 15, 16, 0], num_heads=6, num_kv_heads=3, tokens_per_block=4,
                          pages_per_seq=4, num_queries=3, chunked=True, sliding_window=options.get("sliding_window"))
-    sm_scale = inputs.q.shape[-1] ** -0.5
-    expected = partial_attention_ref(inputs.q, inputs.q_positions, inputs.clean_k_pages, inputs.clean_v_pages,
-                                     inputs.lengths, inputs.page_indices, sm_scale=sm_scale, **options)
-    actual = blocked.partial_attention(inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths,
-                                       inputs.page_indices, sm_scale=sm_scale, block_q=block_q, block_k=4, **options)
+    spec = AttentionSpec(inputs.q.shape[-1] ** -0.5, **options)
+    expected = partial_attention_ref(inputs.q, inputs.q_positions, inputs.clean_kv, spec)
+    actual = blocked.partial_attention(inputs.q, inputs.q_positions, inputs.kv, spec, block_q=block_q, block_k=4)
     assert_close(actual, expected)
     assert not np.asarray(actual)[3].any()  # the padding sequence
 
@@ -105,10 +89,9 @@ def test_decode_matches_paged_reference(window, soft_cap):
     inputs = make_inputs(3, lengths=[5, 16, 1, 0, 9], num_heads=6, num_kv_heads=2, tokens_per_block=4, pages_per_seq=4,
                          sliding_window=window)
     q = inputs.q[:, 0]
-    options = dict(sm_scale=0.25, sliding_window=window, logit_soft_cap=soft_cap)
-    expected = paged_attention_ref(q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
-                                   inputs.page_indices, **options)
-    actual = blocked.paged_attention(q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices, **options)
+    spec = AttentionSpec(0.25, window, soft_cap)
+    expected = paged_attention_ref(q, inputs.clean_kv, spec)
+    actual = blocked.paged_attention(q, inputs.kv, spec)
     assert_close(actual, expected)
     assert not np.asarray(actual)[3].any()  # the padding sequence (length 0)
 
@@ -116,5 +99,4 @@ def test_decode_matches_paged_reference(window, soft_cap):
 def test_rejects_bad_heads():
     inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=2, tokens_per_block=4, pages_per_seq=2)
     with pytest.raises(ValueError, match="num_heads=3 must be a multiple of num_kv_heads=2"):
-        blocked.paged_attention(inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths,
-                                inputs.page_indices, sm_scale=1.0)
+        blocked.paged_attention(inputs.q[:, 0], inputs.kv, AttentionSpec(1.0))

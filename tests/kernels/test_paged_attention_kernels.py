@@ -11,7 +11,6 @@ the wgmma form for CUDA on CPU and ``test_mosaic_gpu_on_hopper`` runs it on a Ho
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kvjax import attention
-from kvjax.testing.paged_inputs import assert_close, make_inputs
+from kvjax.testing.paged_inputs import GRID, WINDOW_AND_CAP, assert_close, grid_id, grid_seed, make_inputs, options_id
+from pallas_kernels.common import AttentionSpec, PagedKV
 from pallas_kernels.paged_attention import gpu, mosaic_gpu, tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
 
@@ -30,8 +30,6 @@ KERNELS = {
 }
 GEOMETRY = {"tpu": (4, jnp.float32), "gpu": (4, jnp.float32), "mosaic_gpu": (8, jnp.bfloat16)}
 """(tokens_per_block, dtype) of each kernel's window, soft-cap and jit cases: the smallest it takes."""
-# (num_heads, num_kv_heads): MHA, MQA, GQA with 3 and 2 heads per group, MQA with 3 heads.
-HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]
 PAGES_PER_SEQ = 4
 
 
@@ -46,55 +44,39 @@ def taken(kernel: str, tokens_per_block: int, dtype) -> bool:
     return kernel != "mosaic_gpu" or mosaic_gpu.supports(dtype, tokens_per_block, 16, 1, False)
 
 
+def spec_and_blocking(sm_scale: float, options: dict) -> tuple[AttentionSpec, dict]:
+    """``options`` split into the ``AttentionSpec`` (window, soft cap) and the kernel's blocking."""
+    blocking = {key: value for key, value in options.items() if key not in ("sliding_window", "logit_soft_cap")}
+    return AttentionSpec(sm_scale, options.get("sliding_window"), options.get("logit_soft_cap")), blocking
+
+
 def run_case(kernel: str, *, seed: int, tokens_per_block: int, heads: tuple[int, int], dtype, **options) -> None:
     num_heads, num_kv_heads = heads
-    window = options.get("sliding_window")
     inputs = make_inputs(
         seed, lengths=lengths_for(tokens_per_block), num_heads=num_heads, num_kv_heads=num_kv_heads,
-        tokens_per_block=tokens_per_block, pages_per_seq=PAGES_PER_SEQ, dtype=dtype, sliding_window=window,
+        tokens_per_block=tokens_per_block, pages_per_seq=PAGES_PER_SEQ, dtype=dtype,
+        sliding_window=options.get("sliding_window"),
     )
-    sm_scale = inputs.q.shape[-1] ** -0.5
+    spec, blocking = spec_and_blocking(inputs.q.shape[-1] ** -0.5, options)
     q = inputs.q[:, 0]
-    expected = paged_attention_ref(
-        q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths, inputs.page_indices,
-        sm_scale=sm_scale, sliding_window=window, logit_soft_cap=options.get("logit_soft_cap"),
-    )
-    actual = KERNELS[kernel](
-        q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices, sm_scale=sm_scale, **options
-    )
+    expected = paged_attention_ref(q, inputs.clean_kv, spec)
+    actual = KERNELS[kernel](q, inputs.kv, spec, **blocking)
     assert actual.shape == q.shape and actual.dtype == q.dtype
     assert_close(actual, expected)
 
 
 @pytest.mark.parametrize(
     ("kernel", "tokens_per_block", "heads", "dtype"),
-    [(kernel, *case) for kernel in sorted(KERNELS)
-     for case in [*itertools.product([4, 8], HEADS, [jnp.float32]), *itertools.product([8], HEADS, [jnp.bfloat16])]
-     if taken(kernel, case[0], case[2])],
-    ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
+    [(kernel, *case) for kernel in sorted(KERNELS) for case in GRID if taken(kernel, case[0], case[2])],
+    ids=grid_id,
 )
 def test_matches_reference(kernel, tokens_per_block, heads, dtype):
-    run_case(
-        kernel,
-        seed=tokens_per_block * 100 + heads[0] * 10 + heads[1],
-        tokens_per_block=tokens_per_block,
-        heads=heads,
-        dtype=dtype,
-    )
+    run_case(kernel, seed=grid_seed(tokens_per_block, heads), tokens_per_block=tokens_per_block, heads=heads,
+             dtype=dtype)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"sliding_window": 1},
-        {"sliding_window": 3},
-        {"sliding_window": 8},
-        {"logit_soft_cap": 2.0},
-        {"sliding_window": 5, "logit_soft_cap": 2.0},
-    ],
-    ids=lambda options: "-".join(f"{key}={value}" for key, value in options.items()),
-)
+@pytest.mark.parametrize("options", WINDOW_AND_CAP, ids=options_id)
 def test_window_and_soft_cap(kernel, options):
     tokens_per_block, dtype = GEOMETRY[kernel]
     run_case(kernel, seed=7, tokens_per_block=tokens_per_block, heads=(6, 3), dtype=dtype, **options)
@@ -126,40 +108,30 @@ def test_jits_inside_caller(kernel):
     q = inputs.q[:, 0]
 
     @jax.jit
-    def step(q, k_pages, v_pages, lengths, page_indices):
-        return KERNELS[kernel](q, k_pages, v_pages, lengths, page_indices, sm_scale=0.25)
+    def step(q, kv):
+        return KERNELS[kernel](q, kv, AttentionSpec(0.25))
 
-    expected = paged_attention_ref(
-        q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths, inputs.page_indices, sm_scale=0.25
-    )
-    assert_close(step(q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices), expected)
+    expected = paged_attention_ref(q, inputs.clean_kv, AttentionSpec(0.25))
+    assert_close(step(q, inputs.kv), expected)
 
 
 def test_gpu_rejects_blocks_below_dot_size():
     inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2)
     with pytest.raises(ValueError, match="pages_per_block=2 times tokens_per_block=4 must be >= 16"):
-        gpu.paged_attention(
-            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-            sm_scale=1.0, pages_per_block=2, interpret=True,
-        )
+        gpu.paged_attention(inputs.q[:, 0], inputs.kv, AttentionSpec(1.0), pages_per_block=2, interpret=True)
 
 
 def test_gpu_rejects_non_power_of_two_pages():
     inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=3, pages_per_seq=2)
     with pytest.raises(ValueError, match="tokens_per_block=3 must be a power of two"):
-        gpu.paged_attention(
-            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-            sm_scale=1.0, interpret=True,
-        )
+        gpu.paged_attention(inputs.q[:, 0], inputs.kv, AttentionSpec(1.0), interpret=True)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_rejects_bad_heads(kernel):
     inputs = make_inputs(0, lengths=[5], num_heads=3, num_kv_heads=2, tokens_per_block=4, pages_per_seq=2)
     with pytest.raises(ValueError, match="num_heads=3 must be a multiple of num_kv_heads=2"):
-        KERNELS[kernel](
-            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices, sm_scale=1.0
-        )
+        KERNELS[kernel](inputs.q[:, 0], inputs.kv, AttentionSpec(1.0))
 
 
 @pytest.mark.parametrize(
@@ -183,8 +155,7 @@ def test_mosaic_gpu_rejects_what_hopper_cannot_run(geometry, message):
     inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, pages_per_seq=2, **geometry)
     with pytest.raises(ValueError, match=message):
         mosaic_gpu.paged_attention(
-            inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-            sm_scale=1.0, pages_per_block=pages_per_block, interpret=True,
+            inputs.q[:, 0], inputs.kv, AttentionSpec(1.0), pages_per_block=pages_per_block, interpret=True
         )
 
 
@@ -192,11 +163,9 @@ def test_mosaic_gpu_rejects_quantized_pages():
     inputs = make_inputs(0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=8, pages_per_seq=2)
     pages = inputs.k_pages.astype(jnp.int8)
     scales = jnp.ones(pages.shape[:3], jnp.float32)
+    kv = PagedKV(pages, pages, inputs.lengths, inputs.page_indices, scales, scales)
     with pytest.raises(ValueError, match="quantized pages"):
-        mosaic_gpu.paged_attention(
-            inputs.q[:, 0], pages, pages, inputs.lengths, inputs.page_indices,
-            sm_scale=1.0, k_scales=scales, v_scales=scales, interpret=True,
-        )
+        mosaic_gpu.paged_attention(inputs.q[:, 0], kv, AttentionSpec(1.0), interpret=True)
 
 
 @pytest.mark.parametrize(("tokens_per_block", "head_dim", "heads", "dtype", "options"), [
@@ -210,9 +179,9 @@ def test_mosaic_gpu_lowers_for_cuda(tokens_per_block, head_dim, heads, dtype, op
     which checks wgmma's operand shapes, swizzles, tiles and register layouts, with no GPU."""
     inputs = make_inputs(0, lengths=[1, 9, 4 * tokens_per_block], num_heads=heads[0], num_kv_heads=heads[1],
                          tokens_per_block=tokens_per_block, pages_per_seq=4, head_dim=head_dim, dtype=dtype)
-    args = (inputs.q[:, 0], inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices)
-    decode = functools.partial(mosaic_gpu.paged_attention, sm_scale=0.125, **options)
-    lowered = jax.jit(decode).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    spec, blocking = spec_and_blocking(0.125, options)
+    decode = functools.partial(mosaic_gpu.paged_attention, spec=spec, **blocking)
+    lowered = jax.jit(decode).trace(inputs.q[:, 0], inputs.kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in lowered
 
 
@@ -242,16 +211,11 @@ def test_mosaic_gpu_unavailable_off_hopper_and_dispatch_falls_back(monkeypatch):
 ])
 def test_mosaic_gpu_on_hopper(tokens_per_block, head_dim, heads, options):
     """The wgmma form, compiled and run: what interpret mode replaces by ``jnp.dot``."""
-    window = options.get("sliding_window")
     inputs = make_inputs(5, lengths=[1, tokens_per_block + 1, 4 * tokens_per_block, 0], num_heads=heads[0],
                          num_kv_heads=heads[1], tokens_per_block=tokens_per_block, pages_per_seq=4,
-                         head_dim=head_dim, dtype=jnp.bfloat16, sliding_window=window)
+                         head_dim=head_dim, dtype=jnp.bfloat16, sliding_window=options.get("sliding_window"))
+    spec, blocking = spec_and_blocking(head_dim**-0.5, options)
     q = inputs.q[:, 0]
-    expected = paged_attention_ref(
-        q, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths, inputs.page_indices, sm_scale=head_dim ** -0.5,
-        sliding_window=window, logit_soft_cap=options.get("logit_soft_cap"),
-    )
-    actual = mosaic_gpu.paged_attention(
-        q, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices, sm_scale=head_dim ** -0.5, **options
-    )
+    expected = paged_attention_ref(q, inputs.clean_kv, spec)
+    actual = mosaic_gpu.paged_attention(q, inputs.kv, spec, **blocking)
     assert_close(actual, expected)

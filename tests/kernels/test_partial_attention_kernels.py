@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kvjax.testing.paged_inputs import assert_close, make_inputs
+from kvjax.testing.paged_inputs import GRID, WINDOW_AND_CAP, assert_close, grid_id, grid_seed, make_inputs, options_id
+from pallas_kernels.common import AttentionSpec
 from pallas_kernels.partial_attention import gpu, tpu
 from pallas_kernels.partial_attention.reference import partial_attention_ref
 
@@ -18,7 +19,6 @@ KERNELS = {
     "tpu": functools.partial(tpu.partial_attention, interpret=pltpu.InterpretParams()),
     "gpu": functools.partial(gpu.partial_attention, interpret=True),
 }
-HEADS = [(8, 8), (8, 1), (6, 3), (3, 1)]
 PAGES_PER_SEQ = 4
 
 
@@ -43,16 +43,10 @@ def run_case(
         pages_per_seq=PAGES_PER_SEQ, dtype=dtype, num_queries=num_queries, chunked=chunked,
         sliding_window=window,
     )
-    sm_scale = inputs.q.shape[-1] ** -0.5
-    expected = partial_attention_ref(
-        inputs.q, inputs.q_positions, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
-        inputs.page_indices, sm_scale=sm_scale, sliding_window=window,
-        logit_soft_cap=options.get("logit_soft_cap"),
-    )
-    actual = KERNELS[kernel](
-        inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-        sm_scale=sm_scale, **options,
-    )
+    spec = AttentionSpec(inputs.q.shape[-1] ** -0.5, window, options.pop("logit_soft_cap", None))
+    options.pop("sliding_window", None)
+    expected = partial_attention_ref(inputs.q, inputs.q_positions, inputs.clean_kv, spec)
+    actual = KERNELS[kernel](inputs.q, inputs.q_positions, inputs.kv, spec, **options)
     assert actual.shape == inputs.q.shape and actual.dtype == inputs.q.dtype
     padding_rows = np.asarray(inputs.q_positions) < 0
     assert not np.asarray(actual, np.float32)[padding_rows].any(), "padding rows must be zero"
@@ -60,19 +54,10 @@ def run_case(
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize(
-    ("tokens_per_block", "heads", "dtype"),
-    [*itertools.product([4, 8], HEADS, [jnp.float32]), *itertools.product([8], HEADS, [jnp.bfloat16])],
-    ids=lambda value: str(value) if not isinstance(value, type) else jnp.dtype(value).name,
-)
+@pytest.mark.parametrize(("tokens_per_block", "heads", "dtype"), GRID, ids=grid_id)
 def test_scattered_rows_match_reference(kernel, tokens_per_block, heads, dtype):
-    run_case(
-        kernel,
-        seed=tokens_per_block * 100 + heads[0] * 10 + heads[1],
-        tokens_per_block=tokens_per_block,
-        heads=heads,
-        dtype=dtype,
-    )
+    run_case(kernel, seed=grid_seed(tokens_per_block, heads), tokens_per_block=tokens_per_block, heads=heads,
+             dtype=dtype)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -82,17 +67,7 @@ def test_chunked_prefill(kernel, num_queries):
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"sliding_window": 1},
-        {"sliding_window": 3},
-        {"sliding_window": 6},
-        {"logit_soft_cap": 2.0},
-        {"sliding_window": 5, "logit_soft_cap": 2.0},
-    ],
-    ids=lambda options: "-".join(f"{key}={value}" for key, value in options.items()),
-)
+@pytest.mark.parametrize("options", WINDOW_AND_CAP, ids=options_id)
 def test_window_and_soft_cap(kernel, options):
     run_case(kernel, seed=5, tokens_per_block=4, heads=(8, 1), **options)
 
@@ -112,10 +87,7 @@ def test_tpu_rejects_unaligned_row_blocks():
         0, lengths=[5], num_heads=3, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=4
     )
     with pytest.raises(ValueError, match="block_q=2 times group=3 must be a multiple of 8"):
-        tpu.partial_attention(
-            inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, inputs.page_indices,
-            sm_scale=1.0, block_q=2, interpret=True,
-        )
+        tpu.partial_attention(inputs.q, inputs.q_positions, inputs.kv, AttentionSpec(1.0), block_q=2, interpret=True)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -124,10 +96,7 @@ def test_rejects_bad_positions_dtype(kernel):
         0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=2
     )
     with pytest.raises(ValueError, match="q_positions.dtype=float32 must be int32"):
-        KERNELS[kernel](
-            inputs.q, inputs.q_positions.astype(jnp.float32), inputs.k_pages, inputs.v_pages, inputs.lengths,
-            inputs.page_indices, sm_scale=1.0,
-        )
+        KERNELS[kernel](inputs.q, inputs.q_positions.astype(jnp.float32), inputs.kv, AttentionSpec(1.0))
 
 
 def test_tpu_interpreter_raises_on_out_of_bounds_page():
@@ -135,11 +104,11 @@ def test_tpu_interpreter_raises_on_out_of_bounds_page():
         0, lengths=[5], num_heads=2, num_kv_heads=1, tokens_per_block=4, pages_per_seq=2, num_queries=2
     )
     bad_table = inputs.page_indices.at[0, 0].set(inputs.k_pages.shape[0])
+    kv = dataclasses.replace(inputs.kv, page_indices=bad_table)
     try:
         with pytest.raises(Exception, match="(?i)out.of.bounds"):
             tpu.partial_attention(
-                inputs.q, inputs.q_positions, inputs.k_pages, inputs.v_pages, inputs.lengths, bad_table,
-                sm_scale=1.0, interpret=pltpu.InterpretParams(),
+                inputs.q, inputs.q_positions, kv, AttentionSpec(1.0), interpret=pltpu.InterpretParams()
             ).block_until_ready()
     finally:
         pltpu.reset_tpu_interpret_mode_state()

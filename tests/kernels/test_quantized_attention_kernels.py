@@ -8,6 +8,7 @@ same grid are covered by ``test_partial_attention_kernels`` / ``test_paged_atten
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from kvjax import attention
 from kvjax.attention import blocked
 from kvjax.cache import QuantizedPages
 from kvjax.testing.paged_inputs import assert_close, make_inputs, quantize_inputs
+from pallas_kernels.common import AttentionSpec, PagedKV
 from pallas_kernels.paged_attention import gpu as paged_gpu
 from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import paged_attention_ref
@@ -53,15 +55,9 @@ def test_partial_attention_dequantizes_inside(impl, dtype, granularity):
         num_queries=6, sliding_window=window,
     )
     quant = quantize_inputs(inputs, dtype, granularity)
-    sm_scale = inputs.q.shape[-1] ** -0.5
-    expected = partial_attention_ref(
-        inputs.q, inputs.q_positions, quant.dequantized_k_pages, quant.dequantized_v_pages, inputs.lengths,
-        inputs.page_indices, sm_scale=sm_scale, sliding_window=window,
-    )
-    actual = PARTIAL[impl](
-        inputs.q, inputs.q_positions, quant.k_pages, quant.v_pages, inputs.lengths, inputs.page_indices,
-        sm_scale=sm_scale, sliding_window=window, k_scales=quant.k_scales, v_scales=quant.v_scales,
-    )
+    spec = AttentionSpec(inputs.q.shape[-1] ** -0.5, window)
+    expected = partial_attention_ref(inputs.q, inputs.q_positions, quant.dequantized_kv(inputs), spec)
+    actual = PARTIAL[impl](inputs.q, inputs.q_positions, quant.kv(inputs), spec)
     assert actual.shape == inputs.q.shape and actual.dtype == inputs.q.dtype
     assert_close(actual, expected)
 
@@ -74,16 +70,10 @@ def test_paged_attention_dequantizes_inside(impl, dtype, granularity):
         2, lengths=LENGTHS, num_heads=8, num_kv_heads=1, tokens_per_block=TOKENS_PER_BLOCK, pages_per_seq=PAGES_PER_SEQ,
     )
     quant = quantize_inputs(inputs, dtype, granularity)
-    sm_scale = inputs.q.shape[-1] ** -0.5
+    spec = AttentionSpec(inputs.q.shape[-1] ** -0.5, logit_soft_cap=5.0)
     q = inputs.q[:, 0]
-    expected = paged_attention_ref(
-        q, quant.dequantized_k_pages, quant.dequantized_v_pages, inputs.lengths, inputs.page_indices,
-        sm_scale=sm_scale, logit_soft_cap=5.0,
-    )
-    actual = PAGED[impl](
-        q, quant.k_pages, quant.v_pages, inputs.lengths, inputs.page_indices, sm_scale=sm_scale,
-        logit_soft_cap=5.0, k_scales=quant.k_scales, v_scales=quant.v_scales,
-    )
+    expected = paged_attention_ref(q, quant.dequantized_kv(inputs), spec)
+    actual = PAGED[impl](q, quant.kv(inputs), spec)
     assert_close(actual, expected)
 
 
@@ -98,12 +88,9 @@ def test_quantization_error_is_bounded_and_visible(dtype):
     step = np.nan_to_num(np.asarray(quant.k_scales), nan=0.0)[..., None]
     bound = 0.5 * step if dtype == "int8" else 2.0**-4 * np.abs(clean) + 2.0**-9 * step
     assert np.all(np.abs(deq - clean) <= bound + 1e-7)
-    sm_scale = inputs.q.shape[-1] ** -0.5
-    args = (inputs.q[:, 0], inputs.lengths, inputs.page_indices)
-    exact = paged_attention_ref(args[0], inputs.clean_k_pages, inputs.clean_v_pages, *args[1:], sm_scale=sm_scale)
-    quantized = paged_attention_ref(
-        args[0], quant.dequantized_k_pages, quant.dequantized_v_pages, *args[1:], sm_scale=sm_scale
-    )
+    spec = AttentionSpec(inputs.q.shape[-1] ** -0.5)
+    exact = paged_attention_ref(inputs.q[:, 0], inputs.clean_kv, spec)
+    quantized = paged_attention_ref(inputs.q[:, 0], quant.dequantized_kv(inputs), spec)
     deviation = float(np.max(np.abs(np.asarray(exact) - np.asarray(quantized))))
     assert 0 < deviation < (0.05 if dtype == "int8" else 0.25)
 
@@ -114,30 +101,29 @@ def test_dispatch_takes_quantized_pages():
     quant = quantize_inputs(inputs, "int8", "page")
     k = QuantizedPages(values=quant.k_pages, scales=quant.k_scales)
     v = QuantizedPages(values=quant.v_pages, scales=quant.v_scales)
-    sm_scale = inputs.q.shape[-1] ** -0.5
-    expected = partial_attention_ref(inputs.q, inputs.q_positions, quant.dequantized_k_pages, quant.dequantized_v_pages,
-                                     inputs.lengths, inputs.page_indices, sm_scale=sm_scale)
+    spec = AttentionSpec(inputs.q.shape[-1] ** -0.5)
+    expected = partial_attention_ref(inputs.q, inputs.q_positions, quant.dequantized_kv(inputs), spec)
+    kv = attention.paged_kv(k, v, inputs.lengths, inputs.page_indices)
     for impl in ("reference", "blocked", "interpret"):
-        out = attention.partial_attention(inputs.q, inputs.q_positions, k, v, inputs.lengths, inputs.page_indices,
-                                          sm_scale=sm_scale, impl=impl)
-        assert_close(out, expected)
+        assert_close(attention.partial_attention(inputs.q, inputs.q_positions, kv, spec, impl=impl), expected)
     with pytest.raises(ValueError, match="both be quantized"):
-        attention.partial_attention(inputs.q, inputs.q_positions, k, quant.dequantized_v_pages, inputs.lengths,
-                                    inputs.page_indices, sm_scale=sm_scale)
+        attention.paged_kv(k, quant.dequantized_v_pages, inputs.lengths, inputs.page_indices)
 
 
 def test_bad_scales_are_refused_with_their_shape():
     inputs = make_inputs(5, lengths=[TOKENS_PER_BLOCK], num_heads=2, num_kv_heads=1, tokens_per_block=TOKENS_PER_BLOCK,
                          pages_per_seq=2)
     quant = quantize_inputs(inputs, "int8", "token")
-    call = functools.partial(PARTIAL["gpu"], inputs.q, inputs.q_positions, quant.k_pages, quant.v_pages,
-                             inputs.lengths, inputs.page_indices, sm_scale=1.0)
+    kv = quant.kv(inputs)
+
+    def call(partial, kv: PagedKV) -> None:
+        partial(inputs.q, inputs.q_positions, kv, AttentionSpec(1.0))
+
     with pytest.raises(ValueError, match="given together"):
-        call(k_scales=quant.k_scales)
+        call(PARTIAL["gpu"], dataclasses.replace(kv, v_scales=None))
     with pytest.raises(ValueError, match=r"k_scales.shape=\(.*\) must be .* \(per token\) or .* \(per page\)"):
-        call(k_scales=quant.k_scales[:, :2], v_scales=quant.v_scales)
+        call(PARTIAL["gpu"], dataclasses.replace(kv, k_scales=quant.k_scales[:, :2]))
     with pytest.raises(ValueError, match="k_scales.dtype=bfloat16 must be float32"):
-        call(k_scales=quant.k_scales.astype(jnp.bfloat16), v_scales=quant.v_scales)
+        call(PARTIAL["gpu"], dataclasses.replace(kv, k_scales=quant.k_scales.astype(jnp.bfloat16)))
     with pytest.raises(ValueError, match="must be int8 or float8_e4m3fn when scales are given"):
-        PARTIAL["tpu"](inputs.q, inputs.q_positions, inputs.clean_k_pages, inputs.clean_v_pages, inputs.lengths,
-                       inputs.page_indices, sm_scale=1.0, k_scales=quant.k_scales, v_scales=quant.v_scales)
+        call(PARTIAL["tpu"], dataclasses.replace(inputs.clean_kv, k_scales=quant.k_scales, v_scales=quant.v_scales))
