@@ -271,14 +271,10 @@ def products_only(params: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x, kept
 
 
-def _decode_via_partial(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
-                        page_indices: jax.Array, **options) -> jax.Array:
+def _decode_via_partial(q: jax.Array, kv: attention.PagedKV, spec: attention.AttentionSpec) -> jax.Array:
     """Decode attention through the general blocked algorithm: one query row per sequence at
     position ``lengths - 1``."""
-    out = blocked.partial_attention(
-        q[:, None], (lengths - 1)[:, None], k_pages, v_pages, lengths, page_indices, **options
-    )
-    return out[:, 0]
+    return blocked.partial_attention(q[:, None], (kv.lengths - 1)[:, None], kv, spec)[:, 0]
 
 
 def decode_algorithm_ab(engine: Engine, args: StepInputs, row: str, config: ml_collections.ConfigDict) -> dict:

@@ -12,12 +12,14 @@ import pathlib
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib.pyplot as plt
-import ml_collections
 import numpy as np
 from matplotlib.figure import Figure
+
+if TYPE_CHECKING:  # the device machine has no ml_collections; the device checks import this module
+    import ml_collections
 
 
 def jsonable(value: Any, *, nan_as_text: bool = True) -> Any:

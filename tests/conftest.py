@@ -4,7 +4,9 @@ page) on a fake clock for the manager and scheduler tests."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import os
 import pathlib
 import resource
@@ -17,8 +19,10 @@ import pytest
 from kvjax.cache import CacheLayout
 from kvjax.config import KvCacheConfig
 from kvjax.manager import KVCacheManager
+from kvjax.model.registry import load_model
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+_LIBC = ctypes.CDLL("libc.so.6")
 
 # Compiled XLA executables persist across processes (notebook kernels, subprocess tests,
 # reruns): the environment variables reach child processes, jax.config this one.
@@ -28,13 +32,19 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drops JAX's in-memory compiled programs after each test module. Kept for the whole
-    run, ~400 tests' executables made jaxlib 0.10 segfault inside a later compile (three runs,
+def _release_between_modules():
+    """After each test module: drops JAX's in-memory compiled programs and the loaded models
+    (``load_model``'s cache; the ``smollm2`` fixture is per module too), collects, and hands
+    the freed heap back to the system (``malloc_trim``), so a worker's memory is what its
+    current module needs, not the sum of what every earlier one loaded. Kept for the whole run,
+    ~400 tests' executables also made jaxlib 0.10 segfault inside a later compile (three runs,
     at different tests; each test passes in a fresh process); the persistent cache makes the
     recompiles cheap."""
     yield
     jax.clear_caches()
+    load_model.cache_clear()
+    gc.collect()
+    _LIBC.malloc_trim(0)
 
 
 @pytest.fixture(autouse=True)
@@ -64,10 +74,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.real_model)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2():
-    from kvjax.model.registry import load_model
-
     return load_model("smollm2-135m")
 
 
