@@ -10,6 +10,7 @@ import gc
 import os
 import pathlib
 import resource
+import time
 
 import jax
 import numpy as np
@@ -50,8 +51,9 @@ def _release_between_modules():
 @pytest.fixture(autouse=True)
 def _memory_log(request: pytest.FixtureRequest):
     """With ``KVJAX_TEST_MEMORY_LOG=<folder>``, appends each test's resident memory to
-    ``<folder>/<worker>.csv``: the worker's RSS after the test, its children's (subprocess
-    tests), and the worker's peak so far, in MiB (how ``docs/testing.md`` measures the suite)."""
+    ``<folder>/<worker>.csv``: the test id, the worker's RSS after the test, its children's
+    (subprocess tests), the worker's peak so far, in MiB, and the time (Unix seconds), so the
+    workers' logs can be summed over time (how ``docs/testing.md`` measures the suite)."""
     yield
     folder = os.environ.get("KVJAX_TEST_MEMORY_LOG")
     if not folder:
@@ -62,7 +64,8 @@ def _memory_log(request: pytest.FixtureRequest):
     path = pathlib.Path(folder) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as out:
-        out.write(f"{request.node.nodeid},{process.memory_info().rss / 2**20:.0f},{children / 2**20:.0f},{peak:.0f}\n")
+        rss = process.memory_info().rss / 2**20
+        out.write(f"{request.node.nodeid},{rss:.0f},{children / 2**20:.0f},{peak:.0f},{time.time():.0f}\n")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
