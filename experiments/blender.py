@@ -41,7 +41,7 @@ from kvjax.blend.selection import SCHEDULE_SELECTORS, SelectionConfig, schedule
 from kvjax.cache.pool import read_slots
 from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from kvjax.engine import RequestOutput
-from kvjax.manager.hashing import check_token_ids
+from kvjax.manager.hashing import KeyExtras, check_token_ids
 from kvjax.model.config import ModelConfig
 from kvjax.model.transformer import Params
 from kvjax.sampling import SamplingParams
@@ -243,7 +243,7 @@ class Blender:
           RuntimeError: the run's blocks were evicted (fewer tokens cached than its full blocks).
         """
         tokens = run.prompt.tokens.tolist()
-        lease = self.store.acquire([tokens], cache_salt=run.scope)
+        lease = self.store.acquire([tokens], KeyExtras(cache_salt=run.scope))
         try:
             ps = self.store.tokens_per_block
             full = len(tokens) // ps * ps

@@ -52,6 +52,7 @@ import pathlib
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import matplotlib
 import ml_collections
@@ -71,7 +72,7 @@ from kvjax.blend.loading_controller import LoadingController
 from kvjax.blend.selection import SelectionConfig
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SchedulerConfig, TokenRangeRetentionConfig
 from kvjax.engine import Engine
-from kvjax.manager import KVCacheManager, OutOfPagesError
+from kvjax.manager import NO_EXTRAS, KeyExtras, KVCacheManager, OutOfPagesError
 from kvjax.model.registry import Model, load_model
 from kvjax.sampling import SamplingParams
 
@@ -117,21 +118,22 @@ class Run:
 class RecordingManager(KVCacheManager):
     """The V1 cache manager, recording every call that changes its blocks (the block trace).
 
-    ``log`` holds, in call order: ("add", request id, prompt, retention, cache salt),
+    ``log`` holds, in call order: ("add", request id, prompt, retention, key extras),
     ("allocate", request id, tokens), ("commit", request id, first position, tokens),
     ("rollback", request id, tokens), ("free", request id), and the serving loop's
-    ("probe", query index, looked-up tokens, cache salt, first block, end block).
+    ("probe", query index, looked-up tokens, key extras, first block, end block).
     """
 
     def __init__(self, config: KvCacheConfig, layout: object) -> None:
         super().__init__(config, layout)
         self.log: list[tuple] = []
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], **kwargs: object) -> int | None:
-        reused = super().add_request(request_id, prompt_token_ids, **kwargs)
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS, **kwargs: Any
+    ) -> int | None:
+        reused = super().add_request(request_id, prompt_token_ids, extras, **kwargs)
         if reused is not None:
-            self.log.append(("add", request_id, tuple(prompt_token_ids), kwargs.get("retention"),
-                             kwargs.get("cache_salt")))
+            self.log.append(("add", request_id, tuple(prompt_token_ids), kwargs.get("retention"), extras))
         return reused
 
     def allocate(self, request_id: str, num_total_tokens: int) -> None:
@@ -187,18 +189,18 @@ def replay(log: Sequence[tuple], manager: KVCacheManager, *, priorities: bool = 
     """
     ps = manager.tokens_per_block
     seqs: dict[str, list[int]] = {}
-    salts: dict[str, object] = {}
+    extras: dict[str, KeyExtras] = {}
     probes: dict[int, dict[str, int]] = {}
     chunk_blocks = chunk_reused = 0
     accesses: list[tuple[bytes, bool]] = []
     for event in log:
         kind, rid = event[0], event[1]
         if kind == "add":
-            _, _, prompt, retention, salt = event
-            manager.add_request(rid, prompt, retention=retention if priorities else None, cache_salt=salt)
-            seqs[rid], salts[rid] = list(prompt), salt
-            counted = is_chunk_scope(salt)
-            keys = manager.prompt_block_keys(prompt, cache_salt=salt)
+            _, _, prompt, retention, extras[rid] = event
+            manager.add_request(rid, prompt, extras[rid], retention=retention if priorities else None)
+            seqs[rid] = list(prompt)
+            counted = is_chunk_scope(extras[rid].cache_salt)
+            keys = manager.prompt_block_keys(prompt, extras[rid])
             accesses += [(k, counted) for k in keys]
             if counted:
                 chunk_blocks += len(prompt) // ps
@@ -214,7 +216,7 @@ def replay(log: Sequence[tuple], manager: KVCacheManager, *, priorities: bool = 
             if start + len(tokens) > have:
                 manager.commit_tokens(rid, seq[have : start + len(tokens)])
             if len(seq) // ps > blocks_before:  # new full blocks past the prompt (generated tokens)
-                keys = manager.prompt_block_keys(seq, cache_salt=salts[rid])
+                keys = manager.prompt_block_keys(seq, extras[rid])
                 accesses += [(k, False) for k in keys[blocks_before:]]
         elif kind == "rollback":
             manager.rollback(rid, event[2])
@@ -222,8 +224,8 @@ def replay(log: Sequence[tuple], manager: KVCacheManager, *, priorities: bool = 
             manager.free_request(rid)
             seqs.pop(rid, None)
         elif kind == "probe":
-            _, query, tokens, salt, first, end = event
-            found = manager.reusable_tiers(tokens, cache_salt=salt)
+            _, query, tokens, lookup, first, end = event
+            found = manager.reusable_tiers(tokens, lookup)
             counts = probes.setdefault(query, dict.fromkeys(HIT_TIERS, 0))
             for b in range(first, end):
                 counts[found[b] if b < len(found) else "miss"] += 1
@@ -403,7 +405,7 @@ class Server:
             chunk = self.work.chunk(p)
             found = store.tiers(chunk)
             first = store.stored_start // ps
-            self.manager.log.append(("probe", query.index, (*store.stored_tokens(chunk), SENTINEL), store.salt, first,
+            self.manager.log.append(("probe", query.index, (*store.stored_tokens(chunk), SENTINEL), store.extras, first,
                                      first + len(found)))
             for t in found:
                 record[f"blocks_{t}"] += 1

@@ -21,6 +21,7 @@ from kvjax.cache import CacheLayout
 from kvjax.config import KvCacheConfig
 from kvjax.manager import KVCacheManager
 from kvjax.model.registry import load_model
+from kvjax.testing.memory_log import SUFFIX, RssSampler
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 _LIBC = ctypes.CDLL("libc.so.6")
@@ -48,12 +49,30 @@ def _release_between_modules():
     _LIBC.malloc_trim(0)
 
 
+def _worker() -> str:
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _memory_samples():
+    """With ``KVJAX_TEST_MEMORY_LOG=<folder>``, samples the worker's resident memory four times
+    a second into ``<folder>/<worker>.samples.csv`` (``kvjax.testing.memory_log``: ``python -m
+    kvjax.testing.memory_log <folder>`` adds the workers up over time)."""
+    folder = os.environ.get("KVJAX_TEST_MEMORY_LOG")
+    if not folder:
+        yield
+        return
+    sampler = RssSampler(pathlib.Path(folder) / f"{_worker()}{SUFFIX}").start()
+    yield
+    sampler.stop()
+
+
 @pytest.fixture(autouse=True)
 def _memory_log(request: pytest.FixtureRequest):
     """With ``KVJAX_TEST_MEMORY_LOG=<folder>``, appends each test's resident memory to
     ``<folder>/<worker>.csv``: the test id, the worker's RSS after the test, its children's
-    (subprocess tests), the worker's peak so far, in MiB, and the time (Unix seconds), so the
-    workers' logs can be summed over time (how ``docs/testing.md`` measures the suite)."""
+    (subprocess tests), the worker's peak so far, in MiB, and the time (Unix seconds): which
+    module needed what (``_memory_samples`` holds the curve between tests too)."""
     yield
     folder = os.environ.get("KVJAX_TEST_MEMORY_LOG")
     if not folder:
@@ -61,7 +80,7 @@ def _memory_log(request: pytest.FixtureRequest):
     process = psutil.Process()
     children = sum(child.memory_info().rss for child in process.children(recursive=True))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    path = pathlib.Path(folder) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.csv"
+    path = pathlib.Path(folder) / f"{_worker()}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as out:
         rss = process.memory_info().rss / 2**20

@@ -38,7 +38,7 @@ from kvjax.blend.fidelity import FidelityConfig, FidelityReport, require
 from kvjax.cache.pool import sequence_slots
 from kvjax.config import KvCacheRetentionConfig, as_retention_config
 from kvjax.manager import require_tiered
-from kvjax.manager.hashing import InternalScope, check_token_ids
+from kvjax.manager.hashing import InternalScope, KeyExtras, check_token_ids
 from kvjax.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -126,6 +126,8 @@ class ChunkStore:
         bos = engine.model.config.bos_id
         self.variant_prefix: tuple[int, ...] = {"pos0": (), "bos": (bos,), "system": self.prefix_tokens}[variant]
         self.salt = InternalScope(f"chunk:{variant}")
+        self.extras = KeyExtras(cache_salt=self.salt)
+        """The chunk scope's key extras (its salt alone)."""
         self.stats = StoreStats()
         self._ids = itertools.count()
         self.fidelity: FidelityReport | None = None if fidelity is None else require(self, fidelity)
@@ -147,12 +149,12 @@ class ChunkStore:
 
     def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
         """Manager keys of the chunk's full blocks under its chunk scope."""
-        return self.engine.manager.prompt_block_keys(self.stored_tokens(tokens), cache_salt=self.salt)
+        return self.engine.manager.prompt_block_keys(self.stored_tokens(tokens), self.extras)
 
     def num_cached(self, tokens: Sequence[int]) -> int:
         """Chunk tokens whose blocks are cached now, on any tier (no side effects)."""
         lookup = (*self.stored_tokens(tokens), SENTINEL)
-        found = self.engine.manager.estimate_reusable_tokens(lookup, cache_salt=self.salt)
+        found = self.engine.manager.estimate_reusable_tokens(lookup, self.extras)
         return max(0, min(found - self.stored_start, len(tokens)))
 
     def tiers(self, tokens: Sequence[int]) -> list[str]:
@@ -162,7 +164,7 @@ class ChunkStore:
         stored = self.stored_tokens(tokens)
         ps = self.tokens_per_block
         manager = require_tiered(self.engine.manager, "ChunkStore")
-        found = manager.reusable_tiers((*stored, SENTINEL), cache_salt=self.salt)
+        found = manager.reusable_tiers((*stored, SENTINEL), self.extras)
         first = self.stored_start // ps  # the first block holding a chunk token
         last = -(-(self.stored_start + len(tokens)) // ps)
         return [found[b] if b < len(found) else "miss" for b in range(first, last)]
@@ -218,24 +220,24 @@ class ChunkStore:
         return len(tokens)
 
     # ------------------------------------------------------------------ lookup
-    def acquire(self, sequences: Sequence[Sequence[int]], cache_salt: str | None = "") -> Lease:
+    def acquire(self, sequences: Sequence[Sequence[int]], extras: KeyExtras | None = None) -> Lease:
         """Takes references on the cached blocks of each token sequence; host blocks among them
         are queued to come back to the device: run ``StepContext.execute_page_ops`` before
         reading the lease's slots.
 
         Args:
           sequences: full token sequences as stored (``stored_tokens(chunk)`` for a chunk; an
-            ordinary prompt prefix with ``cache_salt=None``).
-          cache_salt: scope of the lookups; "" = this store's chunk scope.
+            ordinary prompt prefix with ``extras=NO_EXTRAS``).
+          extras: key extras of the lookups; None = this store's chunk scope.
         """
         manager = self.engine.manager
-        salt = self.salt if cache_salt == "" else cache_salt
+        extras = self.extras if extras is None else extras
         ids, tables, covered = [], [], []
         onboarded = manager.stats.onboarded_pages
         try:
             for seq in sequences:
                 rid = f"{self.salt}/lookup-{next(self._ids)}"
-                found = manager.add_request(rid, (*seq, SENTINEL), retention=self.retention, cache_salt=salt)
+                found = manager.add_request(rid, (*seq, SENTINEL), extras, retention=self.retention)
                 assert found is not None, "no admission callback: the request is registered"
                 ids.append(rid)
                 tables.append(tuple(tuple(manager.block_table(rid, g)) for g in range(self.engine.layout.num_groups)))

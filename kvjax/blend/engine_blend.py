@@ -68,7 +68,7 @@ from kvjax.engine import table_width
 from kvjax.engine.page_ops import LayerwiseOnboard, apply_page_ops, split_layerwise
 from kvjax.engine.requests import ChunkedWork
 from kvjax.engine.runner import StepContext
-from kvjax.manager.hashing import InternalScope
+from kvjax.manager.hashing import NO_EXTRAS, InternalScope
 
 if TYPE_CHECKING:
     from kvjax.blend.chunk_store import ChunkStore
@@ -286,7 +286,7 @@ def blended_prefill(
     onboarded = store.stats.onboarded_pages
     prefix_lease = None
     if num_cached < p and not prefix_in_store:
-        prefix_lease = store.acquire([prompt[:p]], cache_salt=None)
+        prefix_lease = store.acquire([prompt[:p]], NO_EXTRAS)
     try:
         lease = store.acquire([store.stored_tokens(chunks[i]) for i in todo])
     except Exception:

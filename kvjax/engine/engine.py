@@ -44,6 +44,7 @@ from kvjax.engine.runner import Runner, StepContext, StepRunner, run_works
 from kvjax.engine.scheduler import Scheduler
 from kvjax.engine.speculative_step import SpeculativeDecode
 from kvjax.manager import CacheManager, MultimodalItem, require_tiered
+from kvjax.manager.hashing import KeyExtras
 from kvjax.model.model import Model
 from kvjax.model.transformer import CompileUnit, forward_for
 from kvjax.sampling import SamplingParams
@@ -195,13 +196,13 @@ class Engine:
         """
         cfg = self.model.config
         prompt = check_token_ids(prompt_token_ids, cfg.vocab_size)
+        extras = KeyExtras(cache_salt, lora_id, mm_items)
         if chunks is not None or retention is not None:
-            cache_salt = check_request_features(
-                self.runner.context, prompt, retention, chunks, cache_salt, lora_id, mm_items,
-                hybrid=self.recurrent is not None,
+            extras = check_request_features(
+                self.runner.context, prompt, retention, chunks, extras, hybrid=self.recurrent is not None
             )
         sched = scheduler_request(prompt, sampling, cfg, self._ids, request_id=request_id, retention=retention,
-                                  cache_salt=cache_salt, lora_id=lora_id, mm_items=mm_items)
+                                  extras=extras)
         if chunks is not None:
             sched.num_prefill_rows = chunks.num_rows(len(prompt), cfg.num_layers)
         with self.lock:

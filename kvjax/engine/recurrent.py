@@ -164,9 +164,7 @@ def _prefix_keys(
     """Block keys of a request's token prefix (its prompt's own keys when it is one)."""
     if len(tokens) <= len(sched.prompt_token_ids):
         return sched.prompt_keys[: len(tokens) // tokens_per_block]
-    return manager.prompt_block_keys(
-        tokens, cache_salt=sched.cache_salt, lora_id=sched.lora_id, mm_items=sched.mm_items
-    )
+    return manager.prompt_block_keys(tokens, sched.extras)
 
 
 def _padded(slots: Sequence[int]) -> jax.Array:

@@ -11,13 +11,13 @@ from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from kvjax import attention
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SpeculativeConfig, as_retention_config
 from kvjax.engine.scheduler import SchedulerRequest
-from kvjax.manager import MultimodalItem, hashing, require_tiered
+from kvjax.manager import hashing, require_tiered
+from kvjax.manager.hashing import NO_EXTRAS, KeyExtras
 from kvjax.model.config import ModelConfig
 from kvjax.sampling import SamplingParams
 
@@ -88,27 +88,25 @@ def check_request_features(
     prompt: tuple[int, ...],
     retention: KvCacheRetentionConfig | dict | None,
     chunks: ChunkedPrompt | None,
-    cache_salt: str | None,
-    lora_id: int | None,
-    mm_items: Sequence[MultimodalItem],
+    extras: KeyExtras,
     *,
     hybrid: bool,
-) -> str | None:
+) -> KeyExtras:
     """Raises ``ValueError`` for a request feature the engine lacks (retention priorities and
     CacheBlend chunks need a ``TieredCacheManager``; hybrid models take no chunks) or a
-    blended request's bad field; returns the request's cache salt (a blended request's is
-    ``chunks.salt``)."""
+    blended request's bad field; returns the request's key extras (a blended request's are
+    its scope ``chunks.salt`` alone)."""
     if retention is not None and as_retention_config(retention) != KvCacheRetentionConfig():
         require_tiered(context.manager, "retention (per-request retention priorities)")
     if chunks is None:
-        return cache_salt
+        return extras
     require_tiered(context.manager, "chunks (CacheBlend chunk reuse)")
     if hybrid:
         raise ValueError(f"chunks: CacheBlend chunk reuse is not supported for the hybrid model {context.cfg.name!r}")
-    if cache_salt is not None or lora_id is not None or mm_items:
+    if extras != NO_EXTRAS:
         raise ValueError("a request with chunks takes no cache_salt, lora_id or mm_items (its scope is chunks.salt)")
     chunks.check(context, prompt)
-    return chunks.salt
+    return KeyExtras(cache_salt=chunks.salt)
 
 
 def scheduler_request(
@@ -119,9 +117,7 @@ def scheduler_request(
     *,
     request_id: str | None,
     retention: KvCacheRetentionConfig | dict | None,
-    cache_salt: str | None,
-    lora_id: int | None,
-    mm_items: Sequence[MultimodalItem],
+    extras: KeyExtras,
 ) -> SchedulerRequest:
     """A request's scheduler entry from a checked prompt; raises ``ValueError`` (``ConfigError``
     for ``retention``) naming the first argument that does not fit ``cfg``'s model.
@@ -134,19 +130,14 @@ def scheduler_request(
     if sampling.stop_token_id is not None and sampling.stop_token_id >= cfg.vocab_size:
         raise ValueError(f"sampling.stop_token_id={sampling.stop_token_id} must be in [0, {cfg.vocab_size})")
     check_optional_str("request_id", request_id)
-    check_optional_str("cache_salt", cache_salt)
     retention = as_retention_config(retention)
-    if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, (int, np.integer)) or lora_id < 0):
-        raise ValueError(f"lora_id={lora_id!r} must be None or an int >= 0")
-    if not all(isinstance(item, MultimodalItem) for item in mm_items):
-        raise ValueError(f"mm_items must be a sequence of MultimodalItem, got {list(mm_items)[:3]!r}")
     stop = None if sampling.ignore_eos else (
         sampling.stop_token_id if sampling.stop_token_id is not None else cfg.eos_ids[0]
     )
     return SchedulerRequest(
         request_id=request_id if request_id is not None else f"req-{next(ids)}",
         prompt_token_ids=prompt, max_new_tokens=sampling.max_new_tokens, eos_token_id=stop,
-        retention=retention, cache_salt=cache_salt, lora_id=lora_id, mm_items=tuple(mm_items),
+        retention=retention, extras=extras,
     )
 
 

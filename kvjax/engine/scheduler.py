@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from kvjax.config import KvCacheRetentionConfig, SchedulerConfig
-from kvjax.manager.hashing import BlockKey, MultimodalItem
+from kvjax.manager.hashing import NO_EXTRAS, BlockKey, KeyExtras
 from kvjax.manager.interface import CacheManager, OutOfPagesError
 
 _Verdict = Literal["admit", "defer", "stop"]
@@ -52,7 +52,7 @@ class SchedulerRequest:
       prompt_token_ids: the prompt.
       max_new_tokens: tokens to generate, >= 1.
       eos_token_id: generation also stops after sampling this token (None = never).
-      retention, cache_salt, lora_id, mm_items: passed to ``CacheManager.add_request``.
+      retention, extras: passed to ``CacheManager.add_request``.
       num_computed_tokens: tokens whose KV is written (reused prefix included).
       num_reused_tokens: prompt tokens reused at admission.
       output_token_ids: sampled tokens so far.
@@ -65,9 +65,7 @@ class SchedulerRequest:
     max_new_tokens: int
     eos_token_id: int | None = None
     retention: KvCacheRetentionConfig | None = None
-    cache_salt: str | None = None
-    lora_id: int | None = None
-    mm_items: tuple[MultimodalItem, ...] = ()
+    extras: KeyExtras = NO_EXTRAS
     num_computed_tokens: int = 0
     num_reused_tokens: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -143,9 +141,7 @@ class Scheduler:
                 f"exceeds max_seq_len={limit}"
             )
         request.prompt_token_ids = tuple(request.prompt_token_ids)
-        request.prompt_keys = self.manager.prompt_block_keys(
-            request.prompt_token_ids, cache_salt=request.cache_salt, lora_id=request.lora_id, mm_items=request.mm_items
-        )
+        request.prompt_keys = self.manager.prompt_block_keys(request.prompt_token_ids, request.extras)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -366,10 +362,7 @@ class Scheduler:
                 verdict = self._verdict(req, reusable if aware else 0, budget, pending)
                 return verdict == "admit"
 
-            reused = self.manager.add_request(
-                req.request_id, prompt, retention=req.retention, cache_salt=req.cache_salt, lora_id=req.lora_id,
-                mm_items=req.mm_items, admit=admit,
-            )
+            reused = self.manager.add_request(req.request_id, prompt, req.extras, retention=req.retention, admit=admit)
             if verdict == "defer":
                 deferred.append(req.request_id)
                 continue

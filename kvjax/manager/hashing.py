@@ -13,7 +13,8 @@ adapters never share a single block. kvjax's own scopes (chunk stores, blend sco
 ``InternalScope`` salts, whose root is hashed under another domain tag ("kvjax-scope"
 instead of "kvjax-root"), so no user ``cache_salt`` string can produce an internal root.
 Extra keys are the multimodal items that overlap the block: each contributes its content
-hash and its token span. Keys are full 32-byte digests.
+hash and its token span. Keys are full 32-byte digests. ``KeyExtras`` carries what besides
+its tokens enters a prompt's keys (salt, adapter, items) from the request to the manager.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from array import array
 from collections.abc import Mapping, Sequence, Set
 
 import blake3
+import numpy as np
 
 BlockKey = bytes
 """A 32-byte BLAKE3 digest naming a block and, through the chain, its whole prefix."""
@@ -90,6 +92,55 @@ class HashedItem:
     """The user's UUID where given, else the hex content hash (what events report)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyExtras:
+    """What besides its tokens enters a prompt's block keys (vLLM's "extra keys"): the
+    tenant's salt and the LoRA adapter through the root key, multimodal items through the
+    blocks they overlap. Validated when made, each error naming its field.
+
+    Attributes:
+      cache_salt: a tenant's scope (a non-empty string), an ``InternalScope`` (kvjax's own
+        scopes), or None.
+      lora_id: the adapter's id, an int >= 0, or None.
+      mm_items: placeholder spans with their content, kept as a tuple (checked against the
+        prompt, and for overlaps, when its keys are made: ``hash_items``).
+    """
+
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    mm_items: Sequence[MultimodalItem] = ()
+
+    def __post_init__(self) -> None:
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt={self.cache_salt!r} must be None or a non-empty str")
+        lora = self.lora_id
+        if lora is not None:
+            if isinstance(lora, bool) or not isinstance(lora, int | np.integer) or lora < 0:
+                raise ValueError(f"lora_id={lora!r} must be None or an int >= 0")
+            object.__setattr__(self, "lora_id", int(lora))
+        if isinstance(self.mm_items, str | bytes) or not isinstance(self.mm_items, Sequence):
+            raise ValueError(f"mm_items must be a sequence of MultimodalItem, got {type(self.mm_items).__name__}")
+        for i, item in enumerate(self.mm_items):
+            if not isinstance(item, MultimodalItem):
+                raise ValueError(f"mm_items[{i}] must be a MultimodalItem, got {type(item).__name__}")
+        object.__setattr__(self, "mm_items", tuple(self.mm_items))
+
+    def root(self) -> BlockKey:
+        """The prompt's root key (``root_key`` of the salt and the adapter)."""
+        return root_key(self.cache_salt, self.lora_id)
+
+
+NO_EXTRAS = KeyExtras()
+"""A prompt keyed by its tokens alone."""
+
+
+def check_extras(extras: object) -> KeyExtras:
+    """``extras`` if it is a ``KeyExtras``, else a ValueError naming the field."""
+    if not isinstance(extras, KeyExtras):
+        raise ValueError(f"extras must be a kvjax.manager.hashing.KeyExtras, got {type(extras).__name__}")
+    return extras
+
+
 def mm_hash(item: MultimodalItem) -> bytes:
     """Content hash of a multimodal item, 32 bytes.
 
@@ -113,8 +164,6 @@ def hash_items(items: Sequence[MultimodalItem], prompt_len: int) -> tuple[Hashed
       ValueError: an item is malformed, outside the prompt, or overlaps another item.
     """
     for i, item in enumerate(items):
-        if not isinstance(item, MultimodalItem):
-            raise ValueError(f"mm_items[{i}] must be a MultimodalItem, got {type(item).__name__}")
         item.validate(prompt_len, i)
     ordered = sorted(items, key=lambda it: it.offset)
     for a, b in itertools.pairwise(ordered):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from kvjax.cache.layout import CacheLayout
 from kvjax.config import KvCacheRetentionConfig
 from kvjax.manager.events import KVCacheEvent
-from kvjax.manager.hashing import BlockKey, MultimodalItem
+from kvjax.manager.hashing import NO_EXTRAS, BlockKey, KeyExtras
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
 
@@ -39,7 +39,8 @@ class OutOfPagesError(RuntimeError):
 @runtime_checkable
 class CacheManager(Protocol):
     """A paged KV cache's bookkeeping: which pages each request holds and which cached blocks
-    a prompt can reuse. Token counts are tokens; ``group`` is a layer-group index."""
+    a prompt can reuse. Token counts are tokens; ``group`` is a layer-group index; a prompt's
+    ``extras`` (salt, adapter, multimodal items) enter its block keys with its tokens."""
 
     @property
     def tokens_per_block(self) -> int: ...
@@ -58,35 +59,19 @@ class CacheManager(Protocol):
 
     # ------------------------------------------------------------------ admission and growth
 
-    def prompt_block_keys(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
-    ) -> list[BlockKey]:
+    def prompt_block_keys(self, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS) -> list[BlockKey]:
         """Keys of the prompt's full blocks (validates the prompt)."""
 
-    def estimate_reusable_tokens(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
-    ) -> int:
+    def estimate_reusable_tokens(self, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS) -> int:
         """Tokens ``add_request`` would reuse now."""
 
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
+        extras: KeyExtras = NO_EXTRAS,
         *,
         retention: KvCacheRetentionConfig | None = None,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
         admit: Callable[[int], bool] | None = None,
     ) -> int | None:
         """Registers a request, reserving its reusable prefix; returns the reused tokens.
@@ -139,14 +124,7 @@ class TieredCacheManager(CacheManager, Protocol):
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Speculative decoding: forgets the last ``num_tokens`` uncommitted slots."""
 
-    def reusable_tiers(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
-    ) -> list[str]:
+    def reusable_tiers(self, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS) -> list[str]:
         """The tier ("device", "host", "disk") of each reusable block of the prompt, in order."""
 
     def get_kv_cache_events(self) -> list[KVCacheEvent]: ...
@@ -190,6 +168,11 @@ class LayoutGeometry:
     @property
     def layer_windows(self) -> tuple[int, ...]:
         return self.layout.layer_windows
+
+    def check_num_tokens(self, num_total_tokens: object) -> None:
+        """A ``ValueError`` naming ``num_total_tokens`` unless it is an int in [0, max_seq_len]."""
+        if not isinstance(num_total_tokens, int) or not 0 <= num_total_tokens <= self.max_seq_len:
+            raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
 
     @property
     def group_windows(self) -> tuple[int, ...]:

@@ -27,14 +27,15 @@ from kvjax.manager import bookkeeping
 from kvjax.manager.block_pool import BlockPool
 from kvjax.manager.events import EventBuffer, KVCacheEvent
 from kvjax.manager.hashing import (
+    NO_EXTRAS,
     BlockKey,
     HashedItem,
-    MultimodalItem,
+    KeyExtras,
     block_key,
+    check_extras,
     check_token_ids,
     hash_items,
     items_in,
-    root_key,
 )
 from kvjax.manager.interface import LayoutGeometry, OutOfPagesError
 from kvjax.manager.planning import GroupPlan, ReusePlan, first_in_window, fits, plan_reuse
@@ -115,16 +116,6 @@ class KVCacheManager(LayoutGeometry):
         self.state_snapshots: StateSnapshotIndex | None = None
         """A hybrid model's recurrent-state snapshots (``attach_state_snapshots``); None otherwise."""
 
-    # ================================================================== geometry (read from the layout)
-
-    @property
-    def num_host_pages(self) -> int:
-        return self.layout.num_host_pages
-
-    @property
-    def num_disk_pages(self) -> int:
-        return self.layout.num_disk_pages
-
     # ================================================================== queries
 
     @property
@@ -173,44 +164,23 @@ class KVCacheManager(LayoutGeometry):
         """Drains the event buffer (empty when event_buffer_max_size is 0)."""
         return self._events.drain()
 
-    def estimate_reusable_tokens(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
-    ) -> int:
+    def estimate_reusable_tokens(self, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS) -> int:
         """Tokens ``add_request`` would reuse right now (no side effects)."""
-        prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
+        prompt, items, root, keys = self._prepare(prompt_token_ids, extras)
         plan = self._plan(prompt, keys, root, items)
         return plan.num_tokens if fits(self.pools, plan) else 0
 
-    def reusable_tiers(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
-    ) -> list[str]:
+    def reusable_tiers(self, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS) -> list[str]:
         """Where the full blocks ``add_request`` would reuse right now live (no side effects):
         one tier name ("device", "host" or "disk") per reused full block, in prompt order; a
         block held in several layer groups counts at its slowest tier."""
-        prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
+        prompt, items, root, keys = self._prepare(prompt_token_ids, extras)
         plan = self._plan(prompt, keys, root, items)
         return plan.slowest_tiers() if fits(self.pools, plan) else []
 
-    def prompt_block_keys(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
-    ) -> list[BlockKey]:
+    def prompt_block_keys(self, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS) -> list[BlockKey]:
         """Keys of the prompt's full blocks (empty with enable_block_reuse=False)."""
-        return list(self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)[3])
+        return list(self._prepare(prompt_token_ids, extras)[3])
 
     # ================================================================== request life cycle
 
@@ -218,11 +188,9 @@ class KVCacheManager(LayoutGeometry):
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
+        extras: KeyExtras = NO_EXTRAS,
         *,
         retention: KvCacheRetentionConfig | None = None,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
         admit: Callable[[int], bool] | None = None,
     ) -> int | None:
         """Registers a request and reserves its reusable prefix; returns the reused token count.
@@ -237,7 +205,7 @@ class KVCacheManager(LayoutGeometry):
         if request_id in self._sequences:
             raise ValueError(f"request_id={request_id!r} is already active; free it first or pick a new id")
         retention = as_retention_config(retention)
-        prompt, items, root, keys = self._prepare(prompt_token_ids, cache_salt, lora_id, mm_items)
+        prompt, items, root, keys = self._prepare(prompt_token_ids, extras)
         self._expire()
         plan = self._plan(prompt, keys, root, items)
         if not fits(self.pools, plan):
@@ -254,8 +222,8 @@ class KVCacheManager(LayoutGeometry):
             request_id=request_id,
             prompt=prompt,
             retention=retention,
-            cache_salt=cache_salt,
-            lora_id=lora_id,
+            cache_salt=extras.cache_salt,
+            lora_id=extras.lora_id,
             items=items,
             root=root,
             prompt_keys=keys,
@@ -284,8 +252,7 @@ class KVCacheManager(LayoutGeometry):
           OutOfPagesError: a group lacks free or evictable pages (nothing changed).
         """
         seq = self._seq(request_id)
-        if not isinstance(num_total_tokens, int) or not 0 <= num_total_tokens <= self.max_seq_len:
-            raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
+        self.check_num_tokens(num_total_tokens)
         if num_total_tokens <= seq.num_allocated:
             return
         num_blocks = -(-num_total_tokens // self.tokens_per_block)
@@ -324,8 +291,7 @@ class KVCacheManager(LayoutGeometry):
           The request's slot count afterwards, in [its slot count before, max(that, num_total_tokens)].
         """
         seq = self._seq(request_id)
-        if not isinstance(num_total_tokens, int) or not 0 <= num_total_tokens <= self.max_seq_len:
-            raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
+        self.check_num_tokens(num_total_tokens)
         if num_total_tokens <= seq.num_allocated:
             return seq.num_allocated
         held = len(seq.blocks[0])
@@ -448,7 +414,7 @@ class KVCacheManager(LayoutGeometry):
         Raises:
           ValueError: ``tier`` is not "host" or "disk", or the engine has no such tier.
         """
-        have = {"host": self.num_host_pages, "disk": self.num_disk_pages}
+        have = {"host": self.layout.num_host_pages, "disk": self.layout.num_disk_pages}
         if tier not in have or not have[tier]:
             raise ValueError(
                 f"tier={tier!r} must be 'host' or 'disk', a tier of this cache (pages: host {have['host']}, "
@@ -537,9 +503,7 @@ class KVCacheManager(LayoutGeometry):
     def _prepare(
         self,
         prompt_token_ids: Sequence[int],
-        cache_salt: str | None,
-        lora_id: int | None,
-        mm_items: Sequence[MultimodalItem],
+        extras: KeyExtras,
     ) -> tuple[tuple[int, ...], tuple[HashedItem, ...], BlockKey, list[BlockKey]]:
         """Validates a prompt and computes its block keys: (prompt, items, root key, keys).
 
@@ -547,13 +511,10 @@ class KVCacheManager(LayoutGeometry):
         the scheduler's key lookup, estimate and admission validate and hash a prompt once.
         The returned key list is shared with the memo: do not mutate it.
         """
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt={cache_salt!r} must be a string or None")
-        if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0):
-            raise ValueError(f"lora_id={lora_id!r} must be an int >= 0 or None")
+        check_extras(extras)
         memo_key = None
-        if not mm_items and type(prompt_token_ids) is tuple:
-            memo_key = (prompt_token_ids, cache_salt, lora_id)
+        if not extras.mm_items and type(prompt_token_ids) is tuple:
+            memo_key = (prompt_token_ids, extras.cache_salt, extras.lora_id)
             try:
                 hit = self._prompt_memo.get(memo_key)
             except TypeError:  # unhashable ids: let validation name them
@@ -563,8 +524,8 @@ class KVCacheManager(LayoutGeometry):
         prompt = check_token_ids(prompt_token_ids, "prompt_token_ids")
         if not 1 <= len(prompt) <= self.max_seq_len:
             raise ValueError(f"len(prompt_token_ids)={len(prompt)} must be in [1, max_seq_len={self.max_seq_len}]")
-        items = hash_items(tuple(mm_items), len(prompt)) if mm_items else ()
-        root = self._root(cache_salt, lora_id)
+        items = hash_items(extras.mm_items, len(prompt)) if extras.mm_items else ()
+        root = self._root(extras)
         keys = prompt_keys(prompt, items, root, self.tokens_per_block, self.config.enable_block_reuse)
         if memo_key is not None:
             if len(self._prompt_memo) >= _PROMPT_MEMO_SIZE:
@@ -572,11 +533,12 @@ class KVCacheManager(LayoutGeometry):
             self._prompt_memo[memo_key] = (prompt, root, keys)
         return prompt, items, root, keys
 
-    def _root(self, cache_salt: str | None, lora_id: int | None) -> BlockKey:
+    def _root(self, extras: KeyExtras) -> BlockKey:
         """The request root key (memoized: tenants and adapters are few)."""
-        root = self._roots.get((cache_salt, lora_id))
+        scope = (extras.cache_salt, extras.lora_id)
+        root = self._roots.get(scope)
         if root is None:
-            root = self._roots[(cache_salt, lora_id)] = root_key(cache_salt, lora_id)
+            root = self._roots[scope] = extras.root()
         return root
 
     # ================================================================== internals: reuse

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.workloads.rag import make_examples
 from kvjax.blend import selection
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.prompt import BlendPrompt
 from kvjax.config import KvCacheConfig, SchedulerConfig
 from kvjax.engine import Engine
+from kvjax.manager import KeyExtras
 from kvjax.sampling import SamplingParams
 from kvjax.testing.blend import submit_blended
 
@@ -35,10 +35,8 @@ def make_engine(model, *, max_tokens: int, host_pages: int = 0, max_seq_len: int
 
 
 @pytest.fixture(scope="module")
-def setup(smollm2):
-    ex = make_examples(
-        smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(128, 128)
-    )[0]
+def setup(smollm2, rag_example):
+    ex = rag_example(seed=5, chunk_tokens=128)
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix)
     engine = make_engine(smollm2, max_tokens=4096)
     store = ChunkStore(engine, variant="system", prefix_tokens=ex.prefix)
@@ -83,9 +81,9 @@ def test_blended_blocks_never_serve_exact_requests(setup):
     swapped = BlendPrompt(prompt.prefix, prompt.chunks[::-1], prompt.suffix)
     rid = submit_blended(store, swapped, selection.SelectionConfig(recompute_ratio=0.15), GREEDY)
     engine.run()
-    salt = engine.requests[rid].sched.cache_salt
+    salt = engine.requests[rid].sched.extras.cache_salt
     tokens = swapped.tokens.tolist()
-    assert engine.manager.estimate_reusable_tokens(tokens, cache_salt=salt) >= len(tokens) - PAGE
+    assert engine.manager.estimate_reusable_tokens(tokens, extras=KeyExtras(cache_salt=salt)) >= len(tokens) - PAGE
     exact = engine.generate([tokens], SamplingParams(max_new_tokens=1))[0]
     assert exact.num_reused_tokens < len(prompt.prefix) + PAGE
 

@@ -15,6 +15,7 @@ from kvjax.blend import selection
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.engine_blend import ChunkReuse
 from kvjax.blend.prompt import BlendPrompt
+from kvjax.manager import KeyExtras
 from kvjax.sampling import SamplingParams
 from kvjax.testing.blend import random_prompt, submit_blended, tiny_engine
 from kvjax.testing.tiny import tiny_model
@@ -178,16 +179,16 @@ def test_user_salts_cannot_reach_chunk_or_blend_scopes(small, engine_store):
     chunk = draw(40)
     store.put(chunk)
     stored = list(store.stored_tokens(chunk))
-    assert engine.manager.estimate_reusable_tokens(stored + [0], cache_salt=store.salt) >= 32
+    assert engine.manager.estimate_reusable_tokens(stored + [0], extras=KeyExtras(cache_salt=store.salt)) >= 32
     user = engine.generate([stored], SamplingParams(max_new_tokens=1), cache_salt=str(store.salt))[0]
     assert user.num_reused_tokens == 0
     prompt = BlendPrompt(store.prefix_tokens, (chunk,), draw(6))
     rid = submit_blended(store, prompt, selection.SelectionConfig(recompute_ratio=0.15, check_layers=(1,),
                                                                     budgets=(1.0,), row_bucket=16), GREEDY)
     engine.run()
-    salt = engine.requests[rid].sched.cache_salt
+    salt = engine.requests[rid].sched.extras.cache_salt
     tokens = prompt.tokens.tolist()
-    assert engine.manager.estimate_reusable_tokens(tokens, cache_salt=salt) >= 32
+    assert engine.manager.estimate_reusable_tokens(tokens, extras=KeyExtras(cache_salt=salt)) >= 32
     assert engine.generate([tokens], SamplingParams(max_new_tokens=1), cache_salt=str(salt))[0].num_reused_tokens == 0
 
 

@@ -8,7 +8,6 @@ import pytest
 
 from experiments.blender import FULL_RECOMPUTE, Blender
 from experiments.policies import SELECTOR_POLICIES
-from experiments.workloads.rag import make_examples
 from kvjax.blend.chunk_store import ChunkStore
 from kvjax.blend.prompt import BlendPrompt
 from kvjax.blend.selection import SelectionConfig, target_count
@@ -39,10 +38,8 @@ def make_blender(model, prefix: tuple[int, ...], variant: str, chunks, tokens_pe
 
 
 @pytest.fixture(scope="module")
-def setup(smollm2):
-    ex = make_examples(
-        smollm2.tokenizer, num=1, seed=3, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(256, 256)
-    )[0]
+def setup(smollm2, rag_example):
+    ex = rag_example(seed=3, chunk_tokens=256)
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix)
     blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks)
     full = blender.run(prompt, FULL_RECOMPUTE).logits[0]
@@ -61,10 +58,8 @@ def test_ratio_zero_equals_full_kv_reuse(setup):
     assert rel_err(reuse, full) > 1e-3
 
 
-def test_single_chunk_at_position_zero_is_exact(smollm2):
-    ex = make_examples(
-        smollm2.tokenizer, num=1, seed=4, tasks=("single_chunk",), num_chunks=(3, 3), chunk_tokens=(256, 256)
-    )[0]
+def test_single_chunk_at_position_zero_is_exact(smollm2, rag_example):
+    ex = rag_example(seed=4, chunk_tokens=256, task="single_chunk")
     prompt = BlendPrompt((), ex.chunks[:1], ex.suffix)
     blender = make_blender(smollm2, (), "pos0", prompt.chunks)
     full = blender.run(prompt, FULL_RECOMPUTE).logits[0]
@@ -100,14 +95,12 @@ def test_query_aware_fused_at_ratio_one_reproduces_full_recompute(setup):
     assert rel_err(blender.run(prompt, config).logits[-1], full) <= RTOL
 
 
-def test_an_extension_continues_the_runs_fused_kv(smollm2):
+def test_an_extension_continues_the_runs_fused_kv(smollm2, rag_example):
     """Teacher forcing through an ordinary request on a run's committed blocks gives the logits
     of feeding the tokens inside the blended request itself, and the same greedy tokens."""
     from experiments.blender import Extension
 
-    ex = make_examples(
-        smollm2.tokenizer, num=1, seed=5, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
-    )[0]
+    ex = rag_example(seed=5, chunk_tokens=200)
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix)
     blender = make_blender(smollm2, ex.prefix, "system", prompt.chunks, tokens_per_block=16)
     assert prompt.roles.num_tokens >= 512
@@ -126,14 +119,12 @@ def test_an_extension_continues_the_runs_fused_kv(smollm2):
         blender.extend([Extension(run, feed)])
 
 
-def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
+def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2, rag_example):
     """When the prompt fills its last page, the run's blocks serve every prompt token: the
     extension computes only the fed rows, and the logits after the prompt are the run's own."""
     from experiments.blender import Extension
 
-    ex = make_examples(
-        smollm2.tokenizer, num=1, seed=6, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
-    )[0]
+    ex = rag_example(seed=6, chunk_tokens=200)
     n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[: len(ex.suffix) - n % 16])
     assert prompt.roles.num_tokens % 16 == 0 and prompt.roles.num_tokens >= 512 and len(prompt.suffix) >= 16
@@ -149,15 +140,13 @@ def test_a_prompt_of_whole_pages_is_continued_after_its_last_token(smollm2):
 
 
 @pytest.mark.parametrize("suffix_tokens", [1, 3])
-def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_kv(smollm2, suffix_tokens):
+def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_kv(smollm2, suffix_tokens, rag_example):
     """Chunk tokens in the prompt's last partial page: the run decodes until that page is
     committed, and the extension takes every chunk token from it by partial reuse, so teacher
     forcing and the greedy answer equal feeding the tokens inside the blended request."""
     from experiments.blender import Extension
 
-    ex = make_examples(
-        smollm2.tokenizer, num=1, seed=7, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
-    )[0]
+    ex = rag_example(seed=7, chunk_tokens=200)
     trim = (len(ex.prefix) + sum(map(len, ex.chunks)) - 8) % 16  # the chunks end 8 tokens into a page
     prompt = BlendPrompt(
         ex.prefix, (*ex.chunks[:-1], ex.chunks[-1][: len(ex.chunks[-1]) - trim]), ex.suffix[-suffix_tokens:]
@@ -185,15 +174,13 @@ def test_a_suffix_shorter_than_the_last_partial_page_is_continued_over_the_run_k
         blender.extend([Extension(run, feed[:1], prompt_logits=3)])
 
 
-def test_extensions_sharing_fed_tokens_get_every_logit_from_whoever_computed_it(smollm2):
+def test_extensions_sharing_fed_tokens_get_every_logit_from_whoever_computed_it(smollm2, rag_example):
     """Two extensions of one run whose fed tokens start alike: the second is deferred until
     the first has committed the page they share (prefix-aware scheduling) and reuses it past
     the prompt; its logits there come from the first, and equal feeding inside the run."""
     from experiments.blender import Extension
 
-    ex = make_examples(
-        smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
-    )[0]
+    ex = rag_example(seed=8, chunk_tokens=200)
     n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
     # n = 15 (mod 16): one fed token fills the page
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[(n + 1) % 16 :])
@@ -215,16 +202,14 @@ def test_extensions_sharing_fed_tokens_get_every_logit_from_whoever_computed_it(
         )
 
 
-def test_extensions_of_runs_of_other_policies_never_take_each_others_logits(smollm2):
+def test_extensions_of_runs_of_other_policies_never_take_each_others_logits(smollm2, rag_example):
     # The runs of full reuse and CacheBlend share the prompt's tokens but not its KV. Each
     # decodes one token into its last page (n = 15 mod 16); an answer starting with that token,
     # teacher-forced behind each run in one extend, reuses the run's page past the prompt and
     # must take that position's logits from its own run, equal to feeding it inside the run.
     from experiments.blender import Extension
 
-    ex = make_examples(
-        smollm2.tokenizer, num=1, seed=8, tasks=("cross_chunk_binding",), num_chunks=(3, 3), chunk_tokens=(200, 200)
-    )[0]
+    ex = rag_example(seed=8, chunk_tokens=200)
     n = len(ex.prefix) + sum(map(len, ex.chunks)) + len(ex.suffix)
     prompt = BlendPrompt(ex.prefix, ex.chunks, ex.suffix[(n + 1) % 16 :])
     assert prompt.roles.num_tokens % 16 == 15 and prompt.roles.num_tokens >= 512

@@ -16,7 +16,7 @@ from experiments.workloads.datasets import load_squad
 from experiments.workloads.rag_stream import StreamConfig, make_stream, read_stream, write_stream
 from experiments.workloads.trace import belady_hit_rate
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
-from kvjax.manager import KVCacheManager
+from kvjax.manager import KeyExtras, KVCacheManager
 from kvjax.manager.hashing import InternalScope
 
 SLICE = pathlib.Path(__file__).parents[1] / "fixtures" / "squad_new_wiki_slice.json"
@@ -90,7 +90,7 @@ def _traffic(mgr: KVCacheManager, rng: np.random.Generator, n: int) -> None:
         prompt = (*doc, *(int(t) for t in rng.integers(1, 50, int(rng.integers(1, 6)))))
         prio = KvCacheRetentionConfig((TokenRangeRetentionConfig(0, None, int(rng.choice([20, 60]))),))
         rid = f"r{i}"
-        reused = mgr.add_request(rid, prompt, retention=prio, cache_salt=salt)
+        reused = mgr.add_request(rid, prompt, retention=prio, extras=KeyExtras(cache_salt=salt))
         mgr.allocate(rid, len(prompt) + 2)
         mgr.commit_tokens(rid, prompt[reused:])
         mgr.commit_tokens(rid, (7, 8))

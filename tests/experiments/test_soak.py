@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from configs.soak import get_config
@@ -25,7 +26,7 @@ def test_every_kind_is_served_and_every_fault_injected_without_a_violation(tiny_
     assert results["faults"]["snapshot_saved"] > 0 and results["faults"]["preemption"] > 0
     assert set(results["checks"]) == set(soak.CHECKS)
     assert results["checks"]["consistency"] >= results["steps"]
-    for name in ("summary.md", "checks.csv", "rss.png", "violations.json"):
+    for name in ("summary.md", "checks.csv", "rss.png", "rss.csv", "violations.json"):
         assert (workdir / name).is_file()
 
 
@@ -45,3 +46,17 @@ def test_a_wrong_output_and_a_bad_fault_kind_are_caught(tmp_path, monkeypatch):
     config.faults.kinds = ("power_cut",)
     with pytest.raises(ValueError, match=r"faults.kinds: unknown \['power_cut'\]; allowed: \('abort_mid_prefill'"):
         soak.run(config, tmp_path)
+
+
+def test_memory_growth_tells_a_leak_from_compiled_programs():
+    times = np.arange(10.0)
+    programs = np.array([0, 1, 2, 2, 2, 3, 3, 3, 3, 3])
+    compiles = np.array([100, 200, 300, 300, 300, 400, 400, 400, 400, 400], dtype=np.float64)
+    growth = soak.memory_growth(times, compiles, programs, 0.3)  # samples 3..9: one compiling step
+    assert (growth.total, growth.without_compiles, growth.with_compiles) == (100.0, 0.0, 100.0)
+    assert (growth.compiling_steps, growth.programs) == (1, 1)
+    leak = compiles + 10.0 * times  # 10 MiB every step besides
+    growth = soak.memory_growth(times, leak, programs, 0.3)
+    assert (growth.total, growth.without_compiles, growth.with_compiles) == (160.0, 50.0, 110.0)
+    with pytest.raises(ValueError, match=r"checks.rss_warmup_fraction=1.0 must be in \[0, 1\)"):
+        soak.memory_growth(times, leak, programs, 1.0)

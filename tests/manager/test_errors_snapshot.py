@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
-from kvjax.manager import KVCacheManager, MultimodalItem, SnapshotError
+from kvjax.manager import KeyExtras, KVCacheManager, MultimodalItem, SnapshotError
 from kvjax.manager.bookkeeping import FORMAT_VERSION
 
 
@@ -18,9 +18,9 @@ def _busy(make, run):
         (TokenRangeRetentionConfig(0, 4, 90, duration_ms=1000),), decode_retention_priority=50
     )
     run(mgr, "a", list(range(1, 14)), retention=keep)
-    run(mgr, "b", [7] * 12, mm_items=[MultimodalItem("image", b"i", 4, 4, uuid="u")])
+    run(mgr, "b", [7] * 12, extras=KeyExtras(mm_items=[MultimodalItem("image", b"i", 4, 4, uuid="u")]))
     prompt = list(range(1, 10)) + [5, 5]
-    reused = mgr.add_request("c", prompt, cache_salt="s")
+    reused = mgr.add_request("c", prompt, extras=KeyExtras(cache_salt="s"))
     mgr.allocate("c", 13)
     mgr.commit_tokens("c", prompt[reused:9])  # 9 of 11 prompt tokens written, 13 slots
     return mgr
@@ -34,7 +34,7 @@ def _busy(make, run):
         (lambda m: m.add_request("d", []), ValueError, r"len\(prompt_token_ids\)=0 must be in \[1, max_seq_len=64\]"),
         (lambda m: m.add_request("d", [1, -2]), ValueError, r"prompt_token_ids\[1\]=-2 must be an int token id"),
         (lambda m: m.add_request("d", [1] * 65), ValueError, r"max_seq_len=64"),
-        (lambda m: m.add_request("d", [1], lora_id=-1), ValueError, r"lora_id=-1 must be an int >= 0"),
+        (lambda m: m.add_request("d", [1], {"lora_id": 1}), ValueError, r"extras must be a kvjax.+KeyExtras, got dict"),
         (lambda m: m.allocate("zzz", 4), KeyError, r"unknown request_id='zzz'"),
         (lambda m: m.allocate("c", -1), ValueError, r"num_total_tokens=-1 must be an int in \[0, 64\]"),
         (lambda m: m.allocate("c", 65), ValueError, r"num_total_tokens=65"),

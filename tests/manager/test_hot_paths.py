@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvjax.manager import MultimodalItem
+from kvjax.manager import KeyExtras, MultimodalItem
 from kvjax.manager.hashing import block_key, chain_keys, hash_items, items_in, pack_ids, root_key
 
 
@@ -31,7 +31,7 @@ def test_generated_block_keeps_an_item_at_the_prompt_end(make, run):
         mgr = make(num_device_pages=16)
         prompt = list(range(1, 12))
         mm = [MultimodalItem("image", content, offset=7, length=4)]
-        mgr.add_request(f"r{i}", prompt, mm_items=mm)
+        mgr.add_request(f"r{i}", prompt, extras=KeyExtras(mm_items=mm))
         mgr.allocate(f"r{i}", 12)
         mgr.commit_tokens(f"r{i}", prompt)
         mgr.commit_tokens(f"r{i}", [99])

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import blake3
+import numpy as np
 import pytest
 
 from kvjax.config import KvCacheRetentionConfig, TokenRangeRetentionConfig
-from kvjax.manager import MultimodalItem, block_key, mm_hash, root_key
+from kvjax.manager import KeyExtras, MultimodalItem, block_key, mm_hash, root_key
 from kvjax.manager.hashing import hash_items, items_in
 from kvjax.manager.retention import block_priority
 
@@ -29,21 +30,43 @@ def test_roots_separate_salts_and_adapters():
     assert len(roots) == 12
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(cache_salt=""), r"cache_salt='' must be None or a non-empty str"),
+        (dict(cache_salt=b"x"), r"cache_salt=b'x' must be None or a non-empty str"),
+        (dict(lora_id=-1), r"lora_id=-1 must be None or an int >= 0"),
+        (dict(lora_id=True), r"lora_id=True must be None or an int >= 0"),
+        (dict(mm_items="image"), r"mm_items must be a sequence of MultimodalItem, got str"),
+        (dict(mm_items=[b"x"]), r"mm_items\[0\] must be a MultimodalItem, got bytes"),
+    ],
+)
+def test_key_extras_name_the_bad_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        KeyExtras(**fields)
+
+
+def test_key_extras_normalize_their_fields():
+    extras = KeyExtras(lora_id=np.int64(3), mm_items=[MultimodalItem("image", b"x", 0, 1)])
+    assert type(extras.lora_id) is int and isinstance(extras.mm_items, tuple)
+    assert extras == KeyExtras(lora_id=3, mm_items=(MultimodalItem("image", b"x", 0, 1),))
+
+
 def test_different_cache_salts_never_share_a_block(make, run):
     mgr = make(num_device_pages=16)
-    run(mgr, "a", P, cache_salt="tenant-a")
-    assert mgr.estimate_reusable_tokens(P, cache_salt="tenant-b") == 0
+    run(mgr, "a", P, extras=KeyExtras(cache_salt="tenant-a"))
+    assert mgr.estimate_reusable_tokens(P, extras=KeyExtras(cache_salt="tenant-b")) == 0
     assert mgr.estimate_reusable_tokens(P) == 0
-    assert mgr.estimate_reusable_tokens(P, cache_salt="tenant-a") == 11
-    assert run(mgr, "b", P, cache_salt="tenant-b") == 0
+    assert mgr.estimate_reusable_tokens(P, extras=KeyExtras(cache_salt="tenant-a")) == 11
+    assert run(mgr, "b", P, extras=KeyExtras(cache_salt="tenant-b")) == 0
     assert mgr.num_cached_blocks(0) == 6
 
 
 def test_lora_adapters_never_share_a_block(make, run):
     mgr = make(num_device_pages=16)
-    run(mgr, "a", P, lora_id=1)
-    assert mgr.estimate_reusable_tokens(P, lora_id=2) == 0
-    assert mgr.estimate_reusable_tokens(P, lora_id=1) == 11
+    run(mgr, "a", P, extras=KeyExtras(lora_id=1))
+    assert mgr.estimate_reusable_tokens(P, extras=KeyExtras(lora_id=2)) == 0
+    assert mgr.estimate_reusable_tokens(P, extras=KeyExtras(lora_id=1)) == 11
 
 
 def test_mm_hash_is_blake3_of_content_or_of_uuid_and_content():
@@ -70,16 +93,16 @@ def test_mm_hash_is_blake3_of_content_or_of_uuid_and_content():
 def test_multimodal_isolation(make, run, second, reused):
     mgr = make(num_device_pages=16)
     prompt = [1, 2, 9, 9, 9, 9, 3, 4]  # image placeholder tokens at [2, 6)
-    run(mgr, "a", prompt, mm_items=[MultimodalItem("image", b"img", 2, 4, uuid="user-1")])
+    run(mgr, "a", prompt, extras=KeyExtras(mm_items=[MultimodalItem("image", b"img", 2, 4, uuid="user-1")]))
     item = MultimodalItem("image", offset=2, length=4, **second)
-    assert mgr.estimate_reusable_tokens(prompt, mm_items=[item]) == reused
+    assert mgr.estimate_reusable_tokens(prompt, extras=KeyExtras(mm_items=[item])) == reused
 
 
 def test_events_carry_uuid_or_content_hash(make):
     mgr = make(num_device_pages=16)
     items = [MultimodalItem("image", b"a", 0, 2, uuid="img-001"), MultimodalItem("video", b"v", 4, 2)]
     prompt = [9, 9, 1, 2, 8, 8, 3, 4, 5]
-    mgr.add_request("a", prompt, mm_items=items)
+    mgr.add_request("a", prompt, extras=KeyExtras(mm_items=items))
     mgr.allocate("a", 9)
     mgr.commit_tokens("a", prompt)
     stored = [e for e in mgr.get_kv_cache_events() if e.kind == "stored"]
@@ -98,7 +121,7 @@ def test_events_carry_uuid_or_content_hash(make):
 def test_bad_multimodal_items_are_rejected(make, items, match):
     mgr = make()
     with pytest.raises(ValueError, match=match):
-        mgr.add_request("a", [1, 2, 3, 4, 5], mm_items=items)
+        mgr.add_request("a", [1, 2, 3, 4, 5], extras=KeyExtras(mm_items=items))
     assert mgr.request_ids() == []
 
 

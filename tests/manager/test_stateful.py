@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvjax.cache import NULL_PAGE, CacheLayout
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
-from kvjax.manager import KVCacheManager, OutOfPagesError
+from kvjax.manager import KeyExtras, KVCacheManager, OutOfPagesError
 from kvjax.manager.tiers import Tier
 
 PS = 4
@@ -139,7 +139,7 @@ class CacheMachine(RuleBasedStateMachine):
             retention = KvCacheRetentionConfig((TokenRangeRetentionConfig(0, None, priority, duration),))
         rid = f"r{self.next_id}"
         self.next_id += 1
-        reused = self.mgr.add_request(rid, prompt, retention=retention, cache_salt=salt)
+        reused = self.mgr.add_request(rid, prompt, retention=retention, extras=KeyExtras(cache_salt=salt))
         assert 0 <= reused <= len(prompt) - 1
         self._execute_ops()
         if not self._allocate(rid, len(prompt)):

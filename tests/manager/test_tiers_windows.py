@@ -8,7 +8,7 @@ import pytest
 
 from kvjax.cache import NULL_PAGE
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, TokenRangeRetentionConfig
-from kvjax.manager import PageOp
+from kvjax.manager import KeyExtras, PageOp
 
 
 def _prio(p: int) -> KvCacheRetentionConfig:
@@ -132,7 +132,7 @@ def test_reusable_tiers_names_each_reused_block_tier_without_side_effects(make, 
     assert mgr.reusable_tiers([2] * 4 + [0]) == ["host"]
     assert mgr.reusable_tiers([3] * 4 + [0]) == ["device"]
     assert mgr.reusable_tiers([4] * 4 + [0]) == []
-    assert mgr.reusable_tiers([3] * 4 + [0], cache_salt="other") == []  # another scope holds nothing
+    assert mgr.reusable_tiers([3] * 4 + [0], extras=KeyExtras(cache_salt="other")) == []  # another scope holds nothing
     assert dataclasses.asdict(mgr.stats) == stats and mgr.take_page_ops() == []  # nothing moved or counted
     assert mgr.add_request("d", [1] * 4 + [0]) == 4  # and add_request reuses exactly those blocks
     mgr.check_consistency()

@@ -28,7 +28,16 @@ import numpy as np
 from kvjax.cache.layout import CacheLayout
 from kvjax.config import KvCacheConfig, KvCacheRetentionConfig
 from kvjax.engine.manager_v2 import block_pool as F
-from kvjax.manager.hashing import BlockKey, MultimodalItem, chain_keys, check_token_ids, hash_items, pack_ids, root_key
+from kvjax.manager.hashing import (
+    NO_EXTRAS,
+    BlockKey,
+    KeyExtras,
+    chain_keys,
+    check_extras,
+    check_token_ids,
+    hash_items,
+    pack_ids,
+)
 from kvjax.manager.interface import CacheManager, LayoutGeometry, OutOfPagesError
 from kvjax.manager.stats import CacheStats, RequestStats
 from kvjax.manager.tiers import PageOp
@@ -137,42 +146,27 @@ class KVCacheManagerV2(LayoutGeometry):
         """V2 queues no page copies (no tiers, no partial reuse)."""
         return []
 
-    def prompt_block_keys(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
-    ) -> list[BlockKey]:
+    def prompt_block_keys(self, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS) -> list[BlockKey]:
         """BLAKE3 keys of the prompt's full blocks (empty with enable_block_reuse=False)."""
         prompt = self._check_prompt(prompt_token_ids)
+        check_extras(extras)
         if not self.config.enable_block_reuse:
             return []
-        items = hash_items(tuple(mm_items), len(prompt)) if mm_items else ()
-        return chain_keys(root_key(cache_salt, lora_id), pack_ids(prompt), self.tokens_per_block, items)
+        items = hash_items(extras.mm_items, len(prompt)) if extras.mm_items else ()
+        return chain_keys(extras.root(), pack_ids(prompt), self.tokens_per_block, items)
 
-    def estimate_reusable_tokens(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
-    ) -> int:
+    def estimate_reusable_tokens(self, prompt_token_ids: Sequence[int], extras: KeyExtras = NO_EXTRAS) -> int:
         """Tokens ``add_request`` would reuse right now (no side effects)."""
-        keys = self.prompt_block_keys(prompt_token_ids, cache_salt=cache_salt, lora_id=lora_id, mm_items=mm_items)
+        keys = self.prompt_block_keys(prompt_token_ids, extras)
         return self._match(keys, len(prompt_token_ids))[0] * self.tokens_per_block
 
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
+        extras: KeyExtras = NO_EXTRAS,
         *,
         retention: KvCacheRetentionConfig | None = None,
-        cache_salt: str | None = None,
-        lora_id: int | None = None,
-        mm_items: Sequence[MultimodalItem] = (),
         admit: Callable[[int], bool] | None = None,
     ) -> int | None:
         """Takes a block-table row and references the longest cached prefix held by every
@@ -191,7 +185,7 @@ class KVCacheManagerV2(LayoutGeometry):
         if not self._free_rows:
             raise ValueError(f"all max_seqs={self.max_seqs} block-table rows are taken; free a request first")
         prompt = self._check_prompt(prompt_token_ids)
-        keys = self.prompt_block_keys(prompt, cache_salt=cache_salt, lora_id=lora_id, mm_items=mm_items)
+        keys = self.prompt_block_keys(prompt, extras)
         num_matched, pages = self._match(keys, len(prompt))
         if admit is not None and not admit(num_matched * self.tokens_per_block):
             return None
@@ -206,20 +200,17 @@ class KVCacheManagerV2(LayoutGeometry):
         )
         self._stats.add_request(stats)
         self._rows[request_id] = _Row(
-            row=row, prompt=prompt, root=root_key(cache_salt, lora_id), keys=list(keys), tokens=list(prompt[:reused]),
+            row=row, prompt=prompt, root=extras.root(), keys=list(keys), tokens=list(prompt[:reused]),
             num_allocated=reused, num_committed_blocks=num_matched, stats=stats,
         )
         return reused
 
     def allocate(self, request_id: str, num_total_tokens: int) -> None:
-        """Makes sure the request has a cache slot for each of its first ``num_total_tokens`` tokens.
-
-        Raises:
-          OutOfPagesError: a group lacks free or evictable pages (nothing changed).
-        """
+        """Takes device pages from each group's free stack (evicting least recently used cached
+        pages when it runs short) until the request holds ``num_total_tokens`` slots; ``OutOfPagesError`` when a
+        group runs out, with nothing changed (``CacheManager.allocate``)."""
         seq = self._row(request_id)
-        if not isinstance(num_total_tokens, int) or not 0 <= num_total_tokens <= self.max_seq_len:
-            raise ValueError(f"num_total_tokens={num_total_tokens!r} must be an int in [0, {self.max_seq_len}]")
+        self.check_num_tokens(num_total_tokens)
         if num_total_tokens <= seq.num_allocated:
             return
         new = []

@@ -1,0 +1,39 @@
+"""The suite's memory log: workers' samples added up over time, not their separate peaks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvjax.testing.memory_log import SUFFIX, RssSampler, combined_peak
+
+
+def test_workers_are_added_up_at_each_moment_not_at_their_own_peaks(tmp_path):
+    # gw0 peaks at t=2 (5 GiB), gw1 at t=4 (4 GiB); together they hold most at t=4: 3 + 4,
+    # not the 9 GiB of their separate peaks.
+    (tmp_path / f"gw0{SUFFIX}").write_text("1,1024,0\n2,5120,0\n3,3072,0\n5,1024,0\n")
+    (tmp_path / f"gw1{SUFFIX}").write_text("1.5,1024,0\n3,3072,512\n4,4096,0\n")
+    peak = combined_peak(tmp_path)
+    assert (peak.peak_mib, peak.at) == (7168.0, 4.0)
+    assert peak.by_worker == {"gw0": 3072.0, "gw1": 4096.0}
+    assert peak.worker_peaks == {"gw0": 5120.0, "gw1": 4096.0}
+    assert peak.seconds == 4.0
+
+
+def test_a_worker_counts_nothing_after_its_last_sample(tmp_path):
+    (tmp_path / f"gw0{SUFFIX}").write_text("1,4096,0\n2,4096,0\n")
+    (tmp_path / f"gw1{SUFFIX}").write_text("3,1024,0\n")
+    assert combined_peak(tmp_path).peak_mib == 4096.0
+
+
+def test_the_sampler_writes_and_an_empty_folder_is_an_error(tmp_path):
+    sampler = RssSampler(tmp_path / "logs" / f"main{SUFFIX}", interval_s=0.01).start()
+    time.sleep(0.1)
+    sampler.stop()
+    peak = combined_peak(tmp_path / "logs")
+    assert peak.peak_mib > 0 and set(peak.by_worker) == {"main"}
+    with pytest.raises(ValueError, match="holds no worker samples"):
+        combined_peak(tmp_path)
+    with pytest.raises(ValueError, match="interval_s=0 must be > 0"):
+        RssSampler(tmp_path / "x", interval_s=0)
