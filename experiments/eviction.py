@@ -102,7 +102,8 @@ def engine_check(cfg: ml_collections.ConfigDict) -> list[dict]:
             sim = replay(twin, trace, priorities=policy == "priority-LRU")
             s = mgr.stats
             rows.append({
-                "policy": policy, "host_pages": mgr.num_host_pages, "device_pages": engine.layout.num_pages[0] - 1,
+                "policy": policy, "host_pages": engine.layout.num_host_pages,
+                "device_pages": engine.layout.num_pages[0] - 1,
                 "block_hit_rate": s.block_hit_rate, "sim_block_hit_rate": sim.block_hit_rate,
                 "token_hit_rate": s.token_hit_rate, "sim_token_hit_rate": sim.token_hit_rate,
                 "offloaded_MB": s.offloaded_bytes / 2**20, "sim_offloaded_MB": sim.offloaded_bytes / 2**20,

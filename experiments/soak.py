@@ -30,7 +30,9 @@ every step; the main engine's events replayed give its radix tree (key and tier 
 block) after every step; at the end, with every engine drained, no page is leaked; the
 resident memory stays flat after warm-up: across the steps that compiled no new program it
 grows at most ``checks.rss_growth_mb`` (compiled programs are bounded by the shapes the engines
-meet, a leak is not; the growth in steps that compiled is reported beside it).
+meet, a leak is not). Memory is sampled after every step and after every injected fault, so
+the growth in steps that compiled and across faults (a snapshot restore, a killed save) is
+reported apart from it.
 """
 
 from __future__ import annotations
@@ -222,8 +224,10 @@ class Soak:
         """The main engine's radix tree as its events tell it: (group, key) -> tier."""
         self.read_error: tuple[list[tuple[int, int]], int] | None = None
         """While disk reads fail: the (descriptor, saved duplicate) pairs and the step they end."""
-        self.rss: list[tuple[float, float, int]] = []
-        """(seconds, resident MiB, programs compiled so far) after every step."""
+        self.rss: list[tuple[float, float, int, int]] = []
+        """(seconds, resident MiB, programs compiled so far, faults injected so far) after every
+        step and every injected fault."""
+        self.injected = 0
         self.compiles = timing.compile_counter()
         self.step = 0
         self.blocked = False
@@ -303,7 +307,11 @@ class Soak:
         for rid in [rid for rid, p in self.pending.items() if self.engines[p.engine].requests[rid].finished]:
             self._retire(rid)
         self.step += 1
-        self.rss.append((time.perf_counter(), psutil.Process().memory_info().rss / 2**20, self.compiles.programs))
+        self._sample()
+
+    def _sample(self) -> None:
+        rss = psutil.Process().memory_info().rss / 2**20
+        self.rss.append((time.perf_counter(), rss, self.compiles.programs, self.injected))
 
     def _check_manager(self, name: str) -> None:
         try:
@@ -470,6 +478,8 @@ class Soak:
         if done:
             self.tally.faults[fault] += 1
             self.tally.check("fault_survived", True)
+            self.injected += 1
+            self._sample()
         return done
 
     def _long_request(self, onboard: bool) -> None:
@@ -559,9 +569,9 @@ class Soak:
 
     def _results(self, seconds: float) -> dict:
         c, t = self.config, self.tally
-        times, mb, programs = (np.asarray(column, dtype=np.float64) for column in zip(*self.rss))
+        times, mb, programs, faults = (np.asarray(column, dtype=np.float64) for column in zip(*self.rss))
         times -= times[0]
-        growth = memory_growth(times, mb, programs, c.checks.rss_warmup_fraction)
+        growth = memory_growth(times, mb, programs, faults, c.checks.rss_warmup_fraction)
         t.check("rss_flat", growth.without_compiles <= c.checks.rss_growth_mb,
                 seen=f"{growth.without_compiles:.0f} MiB after warm-up in steps that compiled nothing")
         rows = [{"check": name, "checked": t.checks[name], "violations": sum(v["check"] == name for v in t.violations)}
@@ -575,8 +585,10 @@ class Soak:
         ax.set(xlabel="minutes", ylabel="resident memory (MiB)", title="Soak: resident memory")
         report.save_figure(fig, self.workdir / "rss.png")
         report.write_csv(self.workdir / "checks.csv", rows)
-        report.write_csv(self.workdir / "rss.csv", [{"seconds": round(s, 3), "rss_mib": round(m, 1), "programs": int(n)}
-                                                    for s, m, n in zip(times, mb, programs)])
+        report.write_csv(self.workdir / "rss.csv", [
+            {"seconds": round(s, 3), "rss_mib": round(m, 1), "programs": int(n), "faults": int(f)}
+            for s, m, n, f in zip(times, mb, programs, faults)
+        ])
         report.write_json(self.workdir / "violations.json", t.violations)
         served = dict(sorted(t.served.items()))
         faults = dict(sorted(t.faults.items()))
@@ -594,8 +606,9 @@ class Soak:
             ("Resident memory", f"{mb[0]:.0f} MiB at the start, {mb[-1]:.0f} MiB at the end. After warm-up "
                                 f"({c.checks.rss_warmup_fraction:.0%} of the run): {growth.total:+.0f} MiB in all, "
                                 f"{growth.without_compiles:+.0f} MiB in the steps that compiled nothing (bound "
-                                f"{c.checks.rss_growth_mb} MiB) and {growth.with_compiles:+.0f} MiB in the "
-                                f"{growth.compiling_steps} steps that compiled {growth.programs} programs; "
+                                f"{c.checks.rss_growth_mb} MiB), {growth.with_compiles:+.0f} MiB in the "
+                                f"{growth.compiling_steps} steps that compiled {growth.programs} programs and "
+                                f"{growth.with_faults:+.0f} MiB across the {growth.faults} faults injected; "
                                 f"{int(programs[-1])} programs in the whole run; rss.png, rss.csv"),
         ]
         report.write_summary(self.workdir, "Soak", sections)
@@ -615,25 +628,35 @@ class MemoryGrowth:
     Attributes:
       total: MiB, the last sample's minus the first after warm-up.
       without_compiles: MiB, summed over the steps that compiled no new program (a leak shows here).
-      with_compiles: MiB, summed over the steps that did (``total`` less ``without_compiles``).
+      with_compiles: MiB, summed over the steps that did.
+      with_faults: MiB, summed over the injected faults (each sampled before the next step; a
+        fault that compiles counts here). The three parts add up to ``total``.
       compiling_steps: steps after warm-up that compiled at least one program.
-      programs: programs compiled after warm-up.
+      programs: programs compiled after warm-up (outside faults).
+      faults: faults injected after warm-up.
     """
 
     total: float
     without_compiles: float
     with_compiles: float
+    with_faults: float
     compiling_steps: int
     programs: int
+    faults: int
 
 
-def memory_growth(times: np.ndarray, mb: np.ndarray, programs: np.ndarray, warmup_fraction: float) -> MemoryGrowth:
-    """Splits the resident memory's growth after warm-up by whether each step compiled.
+def memory_growth(
+    times: np.ndarray, mb: np.ndarray, programs: np.ndarray, faults: np.ndarray, warmup_fraction: float
+) -> MemoryGrowth:
+    """Splits the resident memory's growth after warm-up into the steps that compiled nothing,
+    the steps that compiled, and the injected faults.
 
     Args:
-      times: [steps] seconds since the first sample, ascending.
-      mb: [steps] resident MiB after each step.
-      programs: [steps] programs compiled by then (non-decreasing).
+      times: [samples] seconds since the first sample, ascending (one sample after each step
+        and after each injected fault).
+      mb: [samples] resident MiB.
+      programs: [samples] programs compiled by then (non-decreasing).
+      faults: [samples] faults injected by then (non-decreasing).
       warmup_fraction: the share of the run's time, in [0, 1), before which nothing counts.
 
     Returns:
@@ -642,14 +665,18 @@ def memory_growth(times: np.ndarray, mb: np.ndarray, programs: np.ndarray, warmu
     if not 0.0 <= warmup_fraction < 1.0:
         raise ValueError(f"checks.rss_warmup_fraction={warmup_fraction} must be in [0, 1)")
     after = times >= warmup_fraction * times[-1]
-    step_mb, step_programs = np.diff(mb[after]), np.diff(programs[after])
-    compiling = step_programs > 0
+    step_mb, step_programs, step_faults = np.diff(mb[after]), np.diff(programs[after]), np.diff(faults[after])
+    fault = step_faults > 0
+    compiling = (step_programs > 0) & ~fault
+    quiet = ~compiling & ~fault
     return MemoryGrowth(
         total=float(step_mb.sum()),
-        without_compiles=float(step_mb[~compiling].sum()),
+        without_compiles=float(step_mb[quiet].sum()),
         with_compiles=float(step_mb[compiling].sum()),
+        with_faults=float(step_mb[fault].sum()),
         compiling_steps=int(compiling.sum()),
-        programs=int(step_programs.sum()),
+        programs=int(step_programs[compiling].sum()),
+        faults=int(step_faults.sum()),
     )
 
 

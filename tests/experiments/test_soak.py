@@ -48,15 +48,16 @@ def test_a_wrong_output_and_a_bad_fault_kind_are_caught(tmp_path, monkeypatch):
         soak.run(config, tmp_path)
 
 
-def test_memory_growth_tells_a_leak_from_compiled_programs():
+def test_memory_growth_tells_a_leak_from_compiled_programs_and_faults():
     times = np.arange(10.0)
     programs = np.array([0, 1, 2, 2, 2, 3, 3, 3, 3, 3])
-    compiles = np.array([100, 200, 300, 300, 300, 400, 400, 400, 400, 400], dtype=np.float64)
-    growth = soak.memory_growth(times, compiles, programs, 0.3)  # samples 3..9: one compiling step
-    assert (growth.total, growth.without_compiles, growth.with_compiles) == (100.0, 0.0, 100.0)
-    assert (growth.compiling_steps, growth.programs) == (1, 1)
-    leak = compiles + 10.0 * times  # 10 MiB every step besides
-    growth = soak.memory_growth(times, leak, programs, 0.3)
-    assert (growth.total, growth.without_compiles, growth.with_compiles) == (160.0, 50.0, 110.0)
+    faults = np.array([0, 0, 0, 0, 0, 0, 0, 1, 1, 1])  # a fault between samples 6 and 7
+    compiles = np.array([100, 200, 300, 300, 300, 400, 400, 450, 450, 450], dtype=np.float64)
+    growth = soak.memory_growth(times, compiles, programs, faults, 0.3)  # samples 3..9
+    assert (growth.total, growth.without_compiles, growth.with_compiles, growth.with_faults) == (150, 0, 100, 50)
+    assert (growth.compiling_steps, growth.programs, growth.faults) == (1, 1, 1)
+    leak = compiles + 10.0 * times  # 10 MiB every sample besides
+    growth = soak.memory_growth(times, leak, programs, faults, 0.3)
+    assert (growth.total, growth.without_compiles, growth.with_compiles, growth.with_faults) == (210, 40, 110, 60)
     with pytest.raises(ValueError, match=r"checks.rss_warmup_fraction=1.0 must be in \[0, 1\)"):
-        soak.memory_growth(times, leak, programs, 1.0)
+        soak.memory_growth(times, leak, programs, faults, 1.0)
