@@ -34,19 +34,21 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_between_modules():
+def _release_between_modules(request: pytest.FixtureRequest):
     """After each test module: drops JAX's in-memory compiled programs and the loaded models
     (``load_model``'s cache; the ``smollm2`` fixture is per module too), collects, and hands
     the freed heap back to the system (``malloc_trim``), so a worker's memory is what its
     current module needs, not the sum of what every earlier one loaded. Kept for the whole run,
     ~400 tests' executables also made jaxlib 0.10 segfault inside a later compile (three runs,
     at different tests; each test passes in a fresh process); the persistent cache makes the
-    recompiles cheap."""
+    recompiles cheap. With ``KVJAX_TEST_MEMORY_LOG`` the worker's RSS after the release is
+    logged as a row ``<module>::(released)``: what the next module starts from."""
     yield
     jax.clear_caches()
     load_model.cache_clear()
     gc.collect()
     _LIBC.malloc_trim(0)
+    _log_memory(f"{request.node.nodeid}::(released)")
 
 
 def _worker() -> str:
@@ -74,6 +76,10 @@ def _memory_log(request: pytest.FixtureRequest):
     (subprocess tests), the worker's peak so far, in MiB, and the time (Unix seconds): which
     module needed what (``_memory_samples`` holds the curve between tests too)."""
     yield
+    _log_memory(request.node.nodeid)
+
+
+def _log_memory(row: str) -> None:
     folder = os.environ.get("KVJAX_TEST_MEMORY_LOG")
     if not folder:
         return
@@ -84,7 +90,7 @@ def _memory_log(request: pytest.FixtureRequest):
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as out:
         rss = process.memory_info().rss / 2**20
-        out.write(f"{request.node.nodeid},{rss:.0f},{children / 2**20:.0f},{peak:.0f},{time.time():.0f}\n")
+        out.write(f"{row},{rss:.0f},{children / 2**20:.0f},{peak:.0f},{time.time():.0f}\n")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
