@@ -37,6 +37,12 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def check_optional_str(field: str, value: object) -> None:
+    """A ``ValueError`` naming ``field`` unless ``value`` is None or a non-empty string."""
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"{field}={value!r} must be None or a non-empty str")
+
+
 def _is_int(value: Any) -> bool:
     """An integer that is not a bool (``True`` is an ``int`` in Python, never a size here)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -64,6 +64,7 @@ from kvjax.blend.selection import (
 from kvjax.blend.timeline import ComputeTimeline
 from kvjax.cache import NULL_PAGE
 from kvjax.cache.pool import sequence_slots
+from kvjax.config import check_optional_str
 from kvjax.engine import table_width
 from kvjax.engine.page_ops import LayerwiseOnboard, apply_page_ops, split_layerwise
 from kvjax.engine.requests import ChunkedWork
@@ -162,8 +163,7 @@ class ChunkReuse:
         for field in ("pipelined", "timeline"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"chunks.{field}={getattr(self, field)!r} must be a bool")
-        if self.scope is not None and not (isinstance(self.scope, str) and self.scope):
-            raise ValueError(f"chunks.scope={self.scope!r} must be None or a non-empty str")
+        check_optional_str("chunks.scope", self.scope)
         num_layers = context.cfg.num_layers
         if self.selection.selector in SCHEDULE_SELECTORS and schedule(self.selection)[0][-1] >= num_layers:
             raise ValueError(

@@ -14,7 +14,13 @@ import jax
 from jax.sharding import Mesh
 
 from kvjax import attention
-from kvjax.config import KvCacheConfig, KvCacheRetentionConfig, SpeculativeConfig, as_retention_config
+from kvjax.config import (
+    KvCacheConfig,
+    KvCacheRetentionConfig,
+    SpeculativeConfig,
+    as_retention_config,
+    check_optional_str,
+)
 from kvjax.engine.scheduler import SchedulerRequest
 from kvjax.manager import hashing, require_tiered
 from kvjax.manager.hashing import NO_EXTRAS, KeyExtras
@@ -76,11 +82,6 @@ class ChunkedWork:
     prompt: tuple[int, ...]
     num_cached: int
     reuse: ChunkedPrompt
-
-
-def check_optional_str(field: str, value: object) -> None:
-    if value is not None and not (isinstance(value, str) and value):
-        raise ValueError(f"{field}={value!r} must be None or a non-empty str")
 
 
 def check_request_features(

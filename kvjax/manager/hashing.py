@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence, Set
 import blake3
 import numpy as np
 
+from kvjax.config import check_optional_str
+
 BlockKey = bytes
 """A 32-byte BLAKE3 digest naming a block and, through the chain, its whole prefix."""
 
@@ -111,8 +113,7 @@ class KeyExtras:
     mm_items: Sequence[MultimodalItem] = ()
 
     def __post_init__(self) -> None:
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise ValueError(f"cache_salt={self.cache_salt!r} must be None or a non-empty str")
+        check_optional_str("cache_salt", self.cache_salt)
         lora = self.lora_id
         if lora is not None:
             if isinstance(lora, bool) or not isinstance(lora, int | np.integer) or lora < 0:

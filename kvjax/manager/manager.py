@@ -92,7 +92,7 @@ class KVCacheManager(LayoutGeometry):
         self._tick = 0
         self._sequences: dict[str, SequenceRecord] = {}
         self._prompt_memo: dict[tuple, tuple[tuple[int, ...], BlockKey, list[BlockKey]]] = {}
-        """(prompt, cache_salt, lora_id) -> (validated prompt, root key, block keys); no mm items."""
+        """(prompt, key extras) -> (validated prompt, root key, block keys); no mm items."""
         self._roots: dict[tuple[str | None, int | None], BlockKey] = {}
         self.pools: tuple[BlockPool, ...] = tuple(
             BlockPool(
@@ -514,7 +514,7 @@ class KVCacheManager(LayoutGeometry):
         check_extras(extras)
         memo_key = None
         if not extras.mm_items and type(prompt_token_ids) is tuple:
-            memo_key = (prompt_token_ids, extras.cache_salt, extras.lora_id)
+            memo_key = (prompt_token_ids, extras)
             try:
                 hit = self._prompt_memo.get(memo_key)
             except TypeError:  # unhashable ids: let validation name them
