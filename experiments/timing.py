@@ -121,16 +121,18 @@ class Compilations:
       programs: programs traced (one ``jaxpr_trace_duration`` event each).
       backend_compiles: backend compiles (the rest came from the compilation cache).
       seconds: seconds of tracing, lowering and backend compiles together.
+      functions: the name of the function each traced program compiles, in order.
     """
 
     programs: int = 0
     backend_compiles: int = 0
     seconds: float = 0.0
+    functions: tuple[str, ...] = ()
 
     def since(self, earlier: Compilations) -> Compilations:
         """The compilations between ``earlier`` (a copy) and now."""
         return Compilations(self.programs - earlier.programs, self.backend_compiles - earlier.backend_compiles,
-                            self.seconds - earlier.seconds)
+                            self.seconds - earlier.seconds, self.functions[len(earlier.functions):])
 
 
 _COUNTER: Compilations | None = None
@@ -146,11 +148,13 @@ def compile_counter() -> Compilations:
         if _COUNTER is None:
             counter = _COUNTER = Compilations()
 
-            def listen(event: str, duration: float, **_: object) -> None:
+            def listen(event: str, duration: float, fun_name: str = "?", **_: object) -> None:
                 if event in COMPILE_EVENTS:
                     counter.seconds += duration
-                    counter.programs += event == COMPILE_EVENTS[0]
                     counter.backend_compiles += event == COMPILE_EVENTS[2]
+                    if event == COMPILE_EVENTS[0]:
+                        counter.programs += 1
+                        counter.functions += (fun_name,)
 
             jax.monitoring.register_event_duration_secs_listener(listen)
         return _COUNTER

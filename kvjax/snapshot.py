@@ -43,6 +43,7 @@ import orbax.checkpoint as ocp
 
 from kvjax.cache import PagePool, QuantizedPages
 from kvjax.engine import Engine
+from kvjax.heap import release_free_heap
 from kvjax.manager import KVCacheManager, SnapshotError, TieredCacheManager, require_tiered
 from kvjax.manager.state_snapshots import StateSnapshotIndex
 
@@ -173,7 +174,7 @@ def save_snapshot(
         step, ``directory`` is a file, or a file could not be written there (permissions, a
         full disk).
     """
-    with engine.lock:  # no step may run while the state is read
+    with engine.lock, _releasing_heap():  # no step may run while the state is read
         try:
             return _save(engine, directory, step, overwrite)
         except OSError as err:
@@ -262,8 +263,18 @@ def restore_snapshot(engine: Engine, directory: str | os.PathLike, step: int | N
         do not match their BLAKE3 digests; a different format version, model (weights digest),
         cache config or layout. The engine is unchanged then.
     """
-    with engine.lock:  # no step may run while the state is replaced
+    with engine.lock, _releasing_heap():  # no step may run while the state is replaced
         return _restore(engine, directory, step)
+
+
+@contextlib.contextmanager
+def _releasing_heap() -> Iterator[None]:
+    """Hands the heap the snapshot's copies of the cache went through back to the system when
+    the save or restore ends (``kvjax.heap``): without it each one leaves ~its size resident."""
+    try:
+        yield
+    finally:
+        release_free_heap()
 
 
 def _complete(step_dir: pathlib.Path) -> bool:

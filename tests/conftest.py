@@ -4,7 +4,6 @@ page) on a fake clock for the manager and scheduler tests."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import gc
 import os
@@ -16,15 +15,16 @@ import jax
 import numpy as np
 import psutil
 import pytest
+from xdist.scheduler import LoadFileScheduling
 
 from kvjax.cache import CacheLayout
 from kvjax.config import KvCacheConfig
+from kvjax.heap import release_free_heap
 from kvjax.manager import KVCacheManager
 from kvjax.model.registry import load_model
 from kvjax.testing.memory_log import SUFFIX, RssSampler
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-_LIBC = ctypes.CDLL("libc.so.6")
 
 # Compiled XLA executables persist across processes (notebook kernels, subprocess tests,
 # reruns): the environment variables reach child processes, jax.config this one.
@@ -47,7 +47,7 @@ def _release_between_modules(request: pytest.FixtureRequest):
     jax.clear_caches()
     load_model.cache_clear()
     gc.collect()
-    _LIBC.malloc_trim(0)
+    release_free_heap()
     _log_memory(f"{request.node.nodeid}::(released)")
 
 
@@ -100,6 +100,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "smollm2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.real_model)
+
+
+HEAVY_MODULES = frozenset({
+    "tests/model/test_gemma3.py",
+    "tests/blend/test_selectors_experiment.py",
+})
+"""Test modules whose worker holds more than about 3 GiB at its peak (``KVJAX_TEST_MEMORY_LOG``):
+one xdist work unit, run one after another on one worker, so that two of them never run at the
+same time and the two workers together stay under 8 GB."""
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or one unit for all of ``HEAVY_MODULES``."""
+    module = nodeid.split("::", 1)[0]
+    return "heavy modules" if module in HEAVY_MODULES else module
+
+
+class HeavyModulesTogether(LoadFileScheduling):
+    """``--dist loadfile`` by ``work_unit``."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return work_unit(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadFileScheduling | None:
+    """Schedules ``--dist loadfile`` runs by ``HeavyModulesTogether``; other modes as asked."""
+    return HeavyModulesTogether(config, log) if config.getoption("dist") == "loadfile" else None
 
 
 @pytest.fixture(scope="module")

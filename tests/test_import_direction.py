@@ -26,7 +26,7 @@ PROJECT = ("kvjax", "pallas_kernels", "experiments", "configs", "tests")
 
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("pallas_kernels",),
-    ("kvjax", "kvjax.config", "kvjax.paths", "kvjax.axes"),
+    ("kvjax", "kvjax.config", "kvjax.paths", "kvjax.axes", "kvjax.heap"),
     ("kvjax.cache",),
     ("kvjax.attention",),
     ("kvjax.manager", "kvjax.model", "kvjax.sampling"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import pytest
@@ -37,3 +38,11 @@ def test_the_sampler_writes_and_an_empty_folder_is_an_error(tmp_path):
         combined_peak(tmp_path)
     with pytest.raises(ValueError, match="interval_s=0 must be > 0"):
         RssSampler(tmp_path / "x", interval_s=0)
+
+
+def test_the_heavy_modules_exist_and_are_one_work_unit(pytestconfig):
+    path = str(pathlib.Path(__file__).with_name("conftest.py"))
+    conftest = next(p for p in pytestconfig.pluginmanager.get_plugins() if getattr(p, "__file__", None) == path)
+    assert all((pytestconfig.rootpath / module).is_file() for module in conftest.HEAVY_MODULES), conftest.HEAVY_MODULES
+    assert {conftest.work_unit(f"{module}::test_a") for module in conftest.HEAVY_MODULES} == {"heavy modules"}
+    assert conftest.work_unit("tests/test_config.py::TestA::test_a") == "tests/test_config.py"

@@ -134,12 +134,16 @@ def test_recovered_share_has_an_interval_and_speedup_is_a_ratio_of_total_ttft():
     assert {r["policy"] for r in rows} == {"full_recompute", "cacheblend"} and all("significant" in r for r in rows)
 
 
-def test_compilations_are_counted():
-    f = jax.jit(lambda x: x * 3 + 1)
+def test_compilations_are_counted_and_named():
+    def triple_plus_one(x):
+        return x * 3 + 1
+
+    f = jax.jit(triple_plus_one)
     _, first = compilations_during(lambda: f(jnp.ones(5)).block_until_ready())
     _, again = compilations_during(lambda: f(jnp.ones(5)).block_until_ready())
     assert first.programs >= 1 and first.seconds > 0
-    assert again.programs == 0
+    assert len(first.functions) == first.programs and "triple_plus_one" in first.functions
+    assert again.programs == 0 and again.functions == ()
 
 
 class _CompilingBlender:

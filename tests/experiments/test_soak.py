@@ -28,13 +28,17 @@ def test_every_kind_is_served_and_every_fault_injected_without_a_violation(tiny_
     assert results["checks"]["consistency"] >= results["steps"]
     for name in ("summary.md", "checks.csv", "rss.png", "rss.csv", "violations.json"):
         assert (workdir / name).is_file()
+    marked = {row.split(",")[-1] for row in (workdir / "rss.csv").read_text().splitlines()[1:]} - {""}
+    assert marked == set(soak.FAULTS)  # each sample after an injected fault names it
+    assert set(results["rss_change_by_fault_mib"]) <= set(soak.FAULTS)
+    assert all(isinstance(n, int) and n > 0 for n in results["programs_after_warmup"].values())
 
 
 def test_a_wrong_output_and_a_bad_fault_kind_are_caught(tmp_path, monkeypatch):
     config = get_config("tiny")
     config.minutes = 4 / 60
     config.faults.kinds = ()
-    config.checks.quantized_logit_tolerance = -1.0  # no int8 request can be this close
+    config.checks.quantized_drift_fraction = -1.0  # no int8 request can be this close
     real = soak.Soak._reference
     monkeypatch.setattr(soak.Soak, "_reference", lambda self, p: [*real(self, p), 0])  # one token too many
     results = soak.run(config, tmp_path)
@@ -43,6 +47,7 @@ def test_a_wrong_output_and_a_bad_fault_kind_are_caught(tmp_path, monkeypatch):
     assert {v["check"] for v in violations} == {"exact_output", "quantized_output"}
     quantized = next(v for v in violations if v["check"] == "quantized_output")
     assert quantized["seen"]["max_logit_difference"] >= 0 and quantized["kind"] == "quantized"
+    assert quantized["seen"]["int8_error"] > 0  # int8 rounding moves a logit from float32's
     config.faults.kinds = ("power_cut",)
     with pytest.raises(ValueError, match=r"faults.kinds: unknown \['power_cut'\]; allowed: \('abort_mid_prefill'"):
         soak.run(config, tmp_path)
