@@ -68,9 +68,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     config.checks.rss_warmup_fraction = 0.3  # resident memory is compared after this share of the run
     config.checks.rss_growth_mb = 256  # allowed growth after warm-up, summed over the steps that compiled no program
     config.checks.drain_steps = 5000  # steps the engines get to finish every request at the end
-    # An int8 request's largest |logit difference| from a cold int8 run, as a fraction of that
-    # run's own from float32: reuse may move int8 rounding no further than int8 itself does.
-    config.checks.quantized_drift_fraction = 1.0
+    # An int8 request's largest |logit difference| from a cold int8 run, as a multiple of that
+    # run's own from float32. Both runs are int8 roundings of the same float32 computation, each
+    # about that far from it, so they may differ by up to twice it (the triangle inequality).
+    config.checks.quantized_drift_fraction = 2.0
 
     if preset == "tiny":
         config.model = "tiny"

@@ -1,6 +1,7 @@
 """Manager V2 in the engine: the same outputs as V1 (decode on the device, several steps per
 dispatch, stops and length limits there), reuse through the hashed block index, running out
-of pages mid-dispatch, and the use_kv_cache_manager_v2 auto / true / false semantics."""
+of pages mid-dispatch, and the use_kv_cache_manager_v2 auto / true / false semantics (Gemma 3's
+two layer groups: ``tests/model/test_gemma3.py``, one model per module)."""
 
 from __future__ import annotations
 
@@ -163,21 +164,3 @@ def test_smollm2_v2_equals_v1_on_a_batch_and_reuses_prefixes(smollm2, long_promp
     assert again.output == expected[0].output
     v2.manager.check_consistency()
     assert v2.manager.stats.reused_tokens == sum(o.num_reused_tokens for o in [*got, again])
-
-
-@pytest.mark.real_model
-def test_gemma3_two_layer_groups_v2_equals_v1(reference_text):
-    """Gemma 3's full and sliding-window (512) groups, a 600-token prompt past the window."""
-    from kvjax.model.registry import load_model
-
-    gemma = load_model("gemma3-270m")
-    ids = gemma.tokenizer.encode(reference_text)
-    prompts = [ids[:600], ids[50:130]]
-    greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    got = {}
-    for v2 in ("false", "true", "auto"):
-        config = KvCacheConfig(tokens_per_block=32, max_tokens=8192, use_kv_cache_manager_v2=v2)
-        e = Engine(gemma, config, SchedulerConfig(num_decode_steps_per_dispatch=16), max_seq_len=1024)
-        assert e.layout.num_groups == 2 and isinstance(e.manager, KVCacheManagerV2) == (v2 == "true")
-        got[v2] = outputs(e, prompts, greedy)
-    assert got["true"] == got["false"] == got["auto"]
