@@ -23,11 +23,10 @@ reference engine's output for its prompt (no reuse, ample cache); every quantize
 logits stay within ``checks.quantized_drift_fraction`` (2: the triangle inequality) times int8's
 own error of an int8 reference engine's (no reuse, ample cache), int8's error being that
 reference's largest |logit difference| from the float32 reference's over the steps whose tokens
-agree; and its tokens equal the int8
-reference's up to the first step where the reference's top two logits lie closer than twice the
-logits' difference there (a near-tie the int8 rounding of KV computed in another prefill chunk
-can flip: per-token scales make a page independent of the order it was written in, not of the
-floating-point rounding of the computation that made it);
+agree; and its tokens equal the int8 reference's up to the first step where the reference's top
+two logits lie closer than twice the logits' difference there (a near-tie the int8 rounding of KV
+computed in another prefill chunk can flip: per-token scales make a page independent of the
+order it was written in, not of the floating-point rounding of the computation that made it);
 every blended request finishes; no request fails; each engine's manager is consistent after
 every step; the main engine's events replayed give its radix tree (key and tier of every
 block) after every step; at the end, with every engine drained, no page is leaked; the
