@@ -7,6 +7,7 @@ an engine request.
     python -m experiments.run --config=configs/cacheblend_rag.py:tiny       # smoke run (committed slice)
     python -m experiments.run --config=configs/cacheblend_rag.py:paper --config.model=gemma3-270m  # 300 prompts
     python -m experiments.run --config=configs/cacheblend_rag.py:paper_niah                        # 100 NIAH prompts
+    python -m experiments.run --config=configs/cacheblend_rag.py:develop  # selectors on 48 training-split prompts
 
 The default (SQuAD v1.1 dev, 40 evaluation prompts, 4 training prompts for the learned
 selector, no ratio sweep) is sized for a run of minutes on 2 CPU cores; the summary states
@@ -41,6 +42,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     config.workload = ml_collections.ConfigDict()
     config.workload.name = "squad_multidoc"  # squad_multidoc | needle_haystack | synthetic
+    # prompts from: eval | train (selector development, without "learned": its scorer trains on that split)
+    config.workload.split = "eval"
     config.workload.max_tokens = 1024  # cap on prompt tokens (real workloads)
     # squad_multidoc: squad_v11_dev | new_wiki | nyt | reddit | amazon | a JSON path
     config.workload.source = "squad_v11_dev"
@@ -138,6 +141,13 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             config.store.cache_tokens = 32768
             config.eval.continuation_tokens = 40
             config.eval.max_answer_tokens = 40
+    elif preset == "develop":  # selector development: training-split prompts only, every prompt swept
+        config.workload.split = "train"
+        config.num_prompts = 48
+        config.sweep.num_prompts = config.num_prompts
+        config.sweep.ratios = (0.15, 0.3, 0.5, 0.7)
+        config.sweep.policies = ("cacheblend", "cacheblend_single", "query_aware_fused", "query_impact")
+        config.policies = ("full_recompute", "full_reuse", "cacheblend")
     elif preset == "synthetic":
         config.workload.name = "synthetic"
         config.runtime.token_bucket = 256
@@ -159,6 +169,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         config.eval.bootstrap = 200
     elif preset:
         raise ValueError(
-            f"unknown preset {preset!r}; allowed: '' (default), 'niah', 'paper', 'paper_niah', 'synthetic' or 'tiny'"
+            f"unknown preset {preset!r}; allowed: '' (default), 'niah', 'paper', 'paper_niah', 'develop', "
+            "'synthetic' or 'tiny'"
         )
     return config

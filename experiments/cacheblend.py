@@ -53,12 +53,28 @@ def _ratio(config: ml_collections.ConfigDict, controller, num_tokens: int) -> fl
         raise ValueError(f"policy.recompute_ratio={requested!r} must be a number in [0, 1] or 'auto'") from None
 
 
+ADDED_FIELDS = {"workload.split": "eval"}
+"""Config fields added after runs under ``docs/results/`` began, at the value that reproduces
+them: a saved config without the field resumes when the field has that value."""
+
+
 def _comparable(config: ml_collections.ConfigDict) -> dict:
     """The config without the fields a resumed run may change (its size and its pieces' bounds)."""
     d = config.to_dict()
     d.pop("num_prompts", None)
     d.pop("piece", None)
     return json.loads(json.dumps(d, default=str))
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as one dict of dotted keys."""
+    out: dict = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _resume(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> tuple[list[dict], dict | None]:
@@ -70,9 +86,11 @@ def _resume(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> tuple[l
     state_path = workdir / STATE
     if not state_path.is_file():
         return [], None
-    state, current = json.loads(state_path.read_text()), _comparable(config)
-    if state["config"] != current:
-        differ = sorted(k for k in set(state["config"]) | set(current) if state["config"].get(k) != current.get(k))
+    state = json.loads(state_path.read_text())
+    saved, current = _flat(state["config"]), _flat(_comparable(config))
+    saved = {**{k: v for k, v in ADDED_FIELDS.items() if k in current}, **saved}
+    differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if differ:
         raise ValueError(f"{workdir} holds results of another config (fields {differ} differ); use a new --workdir")
     records = read_lines(workdir / RECORDS)
     lines = (workdir / RECORDS).read_text().splitlines() if (workdir / RECORDS).is_file() else []

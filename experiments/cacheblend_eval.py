@@ -30,7 +30,7 @@ import numpy as np
 
 from experiments import statistics
 from experiments.blender import FULL_RECOMPUTE, Blender, Extension, PolicyRun
-from experiments.policies import POLICIES
+from experiments.policies import OWN_SELECTORS, POLICIES, PUBLISHED_SELECTORS
 from experiments.timing import compilations_during
 from experiments.workloads import WORKLOADS, gold_scores, gold_targets
 from experiments.workloads.rag import RagExample
@@ -128,20 +128,27 @@ def split_long_chunks(example: RagExample, limit: int) -> tuple[RagExample, int]
 
 
 def build(config: ml_collections.ConfigDict) -> Setup:
-    """Loads the model, builds the prompts (eval and, if "learned" runs, train) and the engine;
-    chunks too long for the store are split (``split_long_chunks``)."""
+    """Loads the model, builds the prompts (from ``workload.split``, and the learned scorer's
+    training prompts if it runs) and the engine; chunks too long for the store are split
+    (``split_long_chunks``)."""
     unknown = [p for p in config.policies if p not in POLICIES]
     if unknown or "full_recompute" not in config.policies:
         raise ValueError(
             f"policies={tuple(config.policies)} must include 'full_recompute' and only names from {POLICIES}"
+        )
+    split = config.workload.split
+    needs_training = "learned" in config.policies or "learned" in config.sweep.policies
+    if split not in ("eval", "train") or (split == "train" and needs_training):
+        raise ValueError(
+            f"workload.split={split!r} must be 'eval', or 'train' (selector development) without the 'learned' "
+            "policy, whose scorer trains on that split"
         )
     model = load_model(config.model, config.gguf_path or None, config.param_dtype or None)
     tok = model.tokenizer
     # Chat models stop at <|im_end|>; a base model's answer (after the prefilled stem) ends at a newline.
     stop_text = "<|im_end|>" if tok.chat_format == "chatml" else "\n"
     stop_ids = tuple(model.config.eos_ids) + tuple(tok.encode(stop_text, add_bos=False))
-    examples = workload_examples(config, tok, split="eval", num=config.num_prompts)
-    needs_training = "learned" in config.policies or "learned" in config.sweep.policies
+    examples = workload_examples(config, tok, split=split, num=config.num_prompts)
     train = workload_examples(config, tok, split="train", num=config.learned.train_prompts) if needs_training else []
     check_disjoint(train, examples)
     bucket, ps = config.runtime.token_bucket, config.runtime.tokens_per_block
@@ -160,10 +167,10 @@ def build(config: ml_collections.ConfigDict) -> Setup:
         raise ValueError(
             f"runtime.tokens_per_block={ps} leaves no room for a chunk in the smallest window {min(windows)}"
         )
-    split = [split_long_chunks(e, limit) for e in examples + train]
-    examples, train = [e for e, _ in split[: len(examples)]], [e for e, _ in split[len(examples):]]
+    fitted = [split_long_chunks(e, limit) for e in examples + train]
+    examples, train = [e for e, _ in fitted[: len(examples)]], [e for e, _ in fitted[len(examples):]]
     return Setup(model, stop_ids, engine, store, Blender(store, token_bucket=bucket), examples, train, limit,
-                 sum(n for _, n in split))
+                 sum(n for _, n in fitted))
 
 
 def answer_tokens(setup: Setup, example: RagExample) -> list[tuple[int, ...]]:
@@ -689,6 +696,30 @@ def ratio_at_goal(ratios: Sequence[float], scores: np.ndarray, reuse: np.ndarray
     return np.where(reached.any(axis=-1), ratio, np.nan)
 
 
+def _goals() -> list[tuple[str, float | None]]:
+    """(label, recovered share or None for the relative drop) of each budget column."""
+    return [*((f"{round(100 * t)}%", t) for t in RECOVERED), (f"{RELATIVE_DROP:.0%} drop", None)]
+
+
+def _sweep_ratios(sweep: dict[tuple[str, float], list[dict]], name: str) -> list[float]:
+    return sorted(r for n, r in sweep if n == name and sweep[(n, r)])
+
+
+def _ratios_needed(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str, list[dict]], name: str, key: str,
+                   share: float | None, idx: np.ndarray) -> tuple[float, np.ndarray]:
+    """The ratio ``name`` needs on ``key`` for ``share`` (``goal``), on all the sweep's prompts
+    and on each resample ``idx`` [B, P] of them: (ratio, [B] ratios)."""
+    ratios = _sweep_ratios(sweep, name)
+    p = idx.shape[1]
+    scores = np.asarray([[q[key] for q in sweep[(name, r)][:p]] for r in ratios])  # [R, P]
+    reuse = np.asarray([q[key] for q in per_policy["full_reuse"][:p]])
+    full = np.asarray([q[key] for q in per_policy["full_recompute"][:p]])
+    ratio = float(ratio_at_goal(ratios, scores, reuse, full, goal(key, reuse.mean(), full.mean(), recovered=share)))
+    boot = ratio_at_goal(ratios, scores[:, idx].transpose(1, 0, 2), reuse[idx], full[idx],
+                         goal(key, reuse[idx].mean(-1), full[idx].mean(-1), recovered=share))
+    return ratio, boot
+
+
 def budget_rows(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str, list[dict]], nboot: int, seed: int,
                 keys: tuple[str, ...] = (LIKELIHOOD, "gold")) -> list[dict]:
     """Per swept selector and metric: the smallest ratio recovering each of ``RECOVERED`` of
@@ -700,7 +731,7 @@ def budget_rows(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str
         return []
     rows = []
     for name in dict.fromkeys(n for n, _ in sweep):
-        ratios = sorted(r for n, r in sweep if n == name and sweep[(n, r)])
+        ratios = _sweep_ratios(sweep, name)
         if not ratios:
             continue
         p = len(sweep[(name, ratios[0])])
@@ -711,21 +742,44 @@ def budget_rows(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str
         for key in keys:
             if key not in sweep[(name, ratios[0])][0]:
                 continue
-            scores = np.asarray([[q[key] for q in sweep[(name, r)]] for r in ratios])  # [R, P]
-            reuse = np.asarray([q[key] for q in per_policy["full_reuse"][:p]])
-            full = np.asarray([q[key] for q in per_policy["full_recompute"][:p]])
             row = {"policy": name, "metric": key, "prompts": p}
-            for label, share in [*((f"{round(100 * t)}%", t) for t in RECOVERED), (f"{RELATIVE_DROP:.0%} drop", None)]:
-                ratio = float(
-                    ratio_at_goal(ratios, scores, reuse, full, goal(key, reuse.mean(), full.mean(), recovered=share))
-                )
-                boot = ratio_at_goal(ratios, scores[:, idx].transpose(1, 0, 2), reuse[idx], full[idx],
-                                     goal(key, reuse[idx].mean(-1), full[idx].mean(-1), recovered=share))
+            for label, share in _goals():
+                ratio, boot = _ratios_needed(sweep, per_policy, name, key, share, idx)
                 lo, hi = np.nanquantile(boot, [0.025, 0.975]) if np.isfinite(boot).any() else (np.nan, np.nan)
                 at = float(np.interp(ratio, [0.0, *ratios, 1.0], ttft)) if np.isfinite(ratio) else np.nan
                 row.update({f"ratio_{label}": ratio, f"ratio_{label}_lo": float(lo), f"ratio_{label}_hi": float(hi),
                             f"speedup_{label}": ttft[-1] / at if np.isfinite(at) else np.nan})
             rows.append(row)
+    return rows
+
+
+def budget_differences(sweep: dict[tuple[str, float], list[dict]], per_policy: dict[str, list[dict]], nboot: int,
+                       seed: int, key: str = LIKELIHOOD) -> list[dict]:
+    """Each swept selector of our own (``OWN_SELECTORS``) against each published one
+    (``PUBLISHED_SELECTORS``) swept beside it: the difference of the ratios they need on ``key`` (ours minus theirs;
+    negative = ours needs less) at each budget column, with a paired bootstrap 95% interval
+    (both ratios from the same resamples of the sweep's prompts; resamples where either is
+    NaN are left out)."""
+    first = {n: sweep[(n, _sweep_ratios(sweep, n)[0])] for n in dict.fromkeys(n for n, _ in sweep)
+             if _sweep_ratios(sweep, n)}  # each swept selector's results at its first ratio
+    swept = list(first)
+    if "full_reuse" not in per_policy or not swept or key not in first[swept[0]][0]:
+        return []
+    p = min(len(results) for results in first.values())
+    idx = np.random.default_rng(seed).integers(0, p, (nboot, p))
+    rows = []
+    for ours, theirs in itertools.product(swept, swept):
+        if ours not in OWN_SELECTORS or theirs not in PUBLISHED_SELECTORS:
+            continue
+        row = {"policy": ours, "minus": theirs, "metric": key, "prompts": p}
+        for label, share in _goals():
+            a, boot_a = _ratios_needed(sweep, per_policy, ours, key, share, idx)
+            b, boot_b = _ratios_needed(sweep, per_policy, theirs, key, share, idx)
+            diff = boot_a - boot_b
+            lo, hi = np.nanquantile(diff, [0.025, 0.975]) if np.isfinite(diff).any() else (np.nan, np.nan)
+            row.update({f"difference_{label}": a - b, f"difference_{label}_lo": float(lo),
+                        f"difference_{label}_hi": float(hi)})
+        rows.append(row)
     return rows
 
 
@@ -739,6 +793,7 @@ __all__ = [
     "Setup",
     "TimingLog",
     "answer_tokens",
+    "budget_differences",
     "budget_rows",
     "build",
     "check_disjoint",

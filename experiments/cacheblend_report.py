@@ -29,6 +29,7 @@ from experiments.cacheblend_eval import (
     LIKELIHOOD,
     RECOVERED,
     RELATIVE_DROP,
+    budget_differences,
     budget_rows,
     ci_row,
     paired_rows,
@@ -114,6 +115,18 @@ def _display_budgets(budgets: list[dict]) -> list[dict]:
                 row[k] = f"{b[k]:.3f} [{b[k + '_lo']:.3f}, {b[k + '_hi']:.3f}]"
                 speed = b["speedup_" + k.removeprefix("ratio_")]
                 row["speedup_" + k.removeprefix("ratio_")] = f"{speed:.2f}x"
+        out.append(row)
+    return out
+
+
+def _display_differences(differences: list[dict]) -> list[dict]:
+    """Ratio differences as "difference [lo, hi]" strings."""
+    out = []
+    for d in differences:
+        row = {k: d[k] for k in ("policy", "minus", "metric", "prompts")}
+        for k in d:
+            if k.startswith("difference_") and not k.endswith(("_lo", "_hi")):
+                row[k] = f"{d[k]:+.3f} [{d[k + '_lo']:+.3f}, {d[k + '_hi']:+.3f}]"
         out.append(row)
     return out
 
@@ -224,10 +237,13 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
         if results
     ]
     budgets = budget_rows(sweep_results, per_policy, nboot, seed)
+    differences = budget_differences(sweep_results, per_policy, nboot, seed)
     modelled = any(p.get("ttft_modelled") for results in sweep_results.values() for p in results)
     if sweep_rows:
         report.write_csv(workdir / "ratio_sweep.csv", sweep_rows)
         report.write_csv(workdir / "budget.csv", budgets)
+        if differences:
+            report.write_csv(workdir / "budget_differences.csv", differences)
         for key, label in ((LIKELIHOOD, "gold-answer log-likelihood, nats/token"), ("gold", "gold score")):
             if key in rows[0]:
                 means = {r["policy"]: r[key] for r in rows if r["policy"] in ("full_recompute", "full_reuse")}
@@ -356,6 +372,15 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
             else "(no sweep)\n",
         ),
         (
+            "Our selectors against the published ones",
+            report.markdown_table(_display_differences(differences))
+            + f"\nthe ratio each of this project's selectors needs on {LIKELIHOOD} minus the ratio a published one "
+            "needs (negative: ours needs less), at each column of the table above, with a paired bootstrap 95% CI "
+            "(both from the same resamples of the sweep's prompts).\n"
+            if differences
+            else "(no selector of ours swept beside a published one)\n",
+        ),
+        (
             "Quality vs recompute ratio",
             report.markdown_table(_display(sweep_rows, quality, ("policy", "ratio", "ttft_mean_s")))
             if sweep_rows
@@ -385,6 +410,7 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
         "headline": headlines,
         "sweep": sweep_rows,
         "budget": budgets,
+        "budget_differences": differences,
         "headline_text": f"{done}.\n{head}",
         "learned": learned,
         "deviation": dev_stats,

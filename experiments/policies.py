@@ -9,6 +9,7 @@
   epic               EPIC: the first ratio share of every chunk's tokens
   query_aware        ProphetKV / QCFuse family: attention received from the question rows
   query_aware_fused  that attention fused with the KV deviation
+  query_impact       ours: that attention times the KV deviation's norm (first-order output error)
   learned            a small MLP over check-layer features, trained on a training split
   random             the same number of chunk tokens, chosen uniformly (the control)
   oracle             the tokens of highest true deviation (needs the full-recompute KV)
@@ -31,6 +32,7 @@ _SELECTOR = {
     "epic": "epic",
     "query_aware": "query_aware",
     "query_aware_fused": "query_aware_fused",
+    "query_impact": "query_impact",
     "learned": "learned",
     "random": "random",
     "oracle": "oracle",
@@ -42,11 +44,16 @@ SELECTOR_POLICIES = (
     "epic",
     "query_aware",
     "query_aware_fused",
+    "query_impact",
     "learned",
     "random",
     "oracle",
 )
 """Policies that recompute a ratio of the chunk tokens (the quality-vs-ratio curves)."""
+PUBLISHED_SELECTORS = ("cacheblend", "cacheblend_single", "epic", "query_aware")
+"""Selectors that follow a paper or a production system (``kvjax.blend.selection``)."""
+OWN_SELECTORS = ("query_aware_fused", "query_impact", "learned")
+"""This project's selectors (random and oracle are the controls)."""
 
 
 def policy(name: str, config: SelectionConfig, scorer: tuple[float, ...] = ()) -> SelectionConfig | str:

@@ -1,6 +1,7 @@
 """How a blended prefill scores the rows it narrows at a check layer, on the device: the
-fresh-minus-reused K/V deviation, the attention the question rows give, their fusion, or a
-small learned MLP over cheap per-token features (``FEATURES``); ``narrow`` keeps the top rows.
+fresh-minus-reused K/V deviation, the attention the question rows give, their sum ("fused")
+or their product ("impact"), or a small learned MLP over cheap per-token features
+(``FEATURES``); ``narrow`` keeps the top rows.
 The selectors that choose between them live in ``kvjax.blend.selection``.
 
 Axis letters are ``kvjax/axes.py``'s.
@@ -16,8 +17,8 @@ import jax.numpy as jnp
 
 Deviation = Literal["k", "v", "kv"]
 DEVIATIONS = ("k", "v", "kv")
-ScoreKind = Literal["deviation", "attention", "fused", "learned"]
-SCORE_KINDS = ("deviation", "attention", "fused", "learned")
+ScoreKind = Literal["deviation", "attention", "fused", "impact", "learned"]
+SCORE_KINDS = ("deviation", "attention", "fused", "impact", "learned")
 FEATURES = ("log_k_deviation", "log_v_deviation", "log_attention", "log_stored_position", "prompt_fraction")
 """Per-token features of a check layer (``check_features``), the learned scorer's inputs."""
 
@@ -28,8 +29,9 @@ class CheckScore:
 
     Attributes:
       kind: "deviation" (fresh-minus-reused K/V, ``deviation``), "attention" (received from
-        the question rows), "fused" (both, each over its mean), "learned" (MLP of ``FEATURES``).
-      deviation: "k", "v" or "kv" for the "deviation" and "fused" kinds.
+        the question rows), "fused" (both, each over its mean, added), "impact" (the attention
+        times the deviation's norm), "learned" (MLP of ``FEATURES``).
+      deviation: "k", "v" or "kv" for the "deviation", "fused" and "impact" kinds.
       query_rows: how many of the last suffix rows are the attending queries.
       weights: flat MLP parameters of the "learned" kind.
     """
@@ -182,7 +184,10 @@ def check_score(
     "deviation" is the squared fresh-minus-reused difference of ``score.deviation``;
     "attention" the attention received from the question rows; "fused" that attention plus
     the deviation, each divided by its mean over the candidate rows ("kv": the mean of the
-    relative K and V deviations); "learned" the MLP over the features.
+    relative K and V deviations); "impact" that attention times the square root of that
+    deviation: to first order, the error a stale row puts into the question rows' attention
+    outputs (a_t times the norm of its value error, and the logit shift its key error makes
+    scales the same way); "learned" the MLP over the features.
     """
     if score.kind == "deviation":
         return token_deviation(k_new, v_new, seq_k[idx], seq_v[idx], score.deviation)
@@ -194,4 +199,7 @@ def check_score(
     if score.kind == "attention":
         return attention_term
     dev = {"k": feats[:, 0:1], "v": feats[:, 1:2], "kv": feats[:, 0:2]}[score.deviation]
-    return attention_term + jnp.exp(dev).sum(axis=-1) / dev.shape[-1]
+    deviation_term = jnp.exp(dev).sum(axis=-1) / dev.shape[-1]
+    if score.kind == "impact":
+        return attention_term * jnp.sqrt(deviation_term)
+    return attention_term + deviation_term

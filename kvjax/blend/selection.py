@@ -21,6 +21,9 @@ narrows to that layer's budget. The suffix is always kept.
                      attention they receive from the question (suffix) rows at the check layers.
   query_aware_fused  the same attention fused with the K/V deviation (each divided by its mean
                      over the candidates, then added).
+  query_impact       ours: that attention times the norm of the K/V deviation, the first-order
+                     error a stale row puts into the question rows' outputs; the checks and
+                     budgets of ``cacheblend``.
   learned            a small MLP over cheap features of the first check layer (``FEATURES``),
                      trained offline on a training split (``kvjax.blend.scorer``); one check,
                      indices frozen afterwards.
@@ -48,12 +51,12 @@ from kvjax.blend.scoring import DEVIATIONS, FEATURES, CheckScore, Deviation, Sco
 from kvjax.config import ConfigError
 
 SELECTORS = (
-    "cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "learned", "random", "oracle",
-    "none", "all", "prefix",
+    "cacheblend", "cacheblend_single", "epic", "query_aware", "query_aware_fused", "query_impact", "learned", "random",
+    "oracle", "none", "all", "prefix",
 )
 _SCHEDULE_SCORES: dict[str, ScoreKind] = {
     "cacheblend": "deviation", "cacheblend_single": "deviation", "query_aware": "attention",
-    "query_aware_fused": "fused", "learned": "learned",
+    "query_aware_fused": "fused", "query_impact": "impact", "learned": "learned",
 }
 """Selectors that narrow at check layers, and how their checks score rows."""
 SCHEDULE_SELECTORS = tuple(_SCHEDULE_SCORES)
@@ -77,7 +80,7 @@ class SelectionConfig:
         above 4 x row_bucket rows (``row_capacity``: fewer compiled shapes, padding < 25%).
       seed: the "random" selector's seed.
       query_rows: the last this many suffix rows are the queries whose attention scores
-        tokens ("query_aware", "query_aware_fused", "learned"), >= 1.
+        tokens ("query_aware", "query_aware_fused", "query_impact", "learned"), >= 1.
       scorer: the "learned" selector's flat MLP parameters (``kvjax.blend.scorer``); empty
         for every other selector.
     """

@@ -1,7 +1,8 @@
 """The successors' selectors on a tiny random model, each checked against a host-side
 reference of what it should pick: cacheblend_single (top-k key difference at layer 1, frozen),
 epic (first tokens of each chunk), query_aware (attention from the question rows), fused,
-and the learned scorer (features, training, the MLP layout)."""
+query_impact (attention times deviation) and the learned scorer (features, training, the MLP
+layout)."""
 
 from __future__ import annotations
 
@@ -107,7 +108,28 @@ def test_trace_features_hold_the_layer_1_deviations(setup):
     np.testing.assert_array_equal(chosen(one_check, prompt), expected)
 
 
-@pytest.mark.parametrize("selector", ["query_aware", "query_aware_fused", "cacheblend_single"])
+def test_query_impact_ranks_by_attention_times_the_deviation_norm(setup):
+    """One check at layer 1: the rows kept are the top of (relative attention) x sqrt(mean of the
+    relative K and V deviations), not of their sum: a row no question row attends to is never
+    worth more than one it does, however stale."""
+    _, prompt, blender, _ = setup
+    feats = np.asarray(
+        blender.run(prompt, SelectionConfig(selector="query_aware", recompute_ratio=RATIO, row_bucket=8),
+                    num_probes=1).trace["features"]
+    )
+    selectable, _ = prompt.roles.masks(prompt.roles.num_tokens)
+    ids = np.flatnonzero(selectable)
+    impact = np.exp(feats[ids, 2]) * np.sqrt((np.exp(feats[ids, 0]) + np.exp(feats[ids, 1])) / 2)
+    fused = np.exp(feats[ids, 2]) + (np.exp(feats[ids, 0]) + np.exp(feats[ids, 1])) / 2
+    count = target_count(prompt.roles, RATIO)
+    expected = np.sort(ids[np.argsort(-impact)[:count]])
+    assert not np.array_equal(expected, np.sort(ids[np.argsort(-fused)[:count]]))  # the product is another rule
+    run = blender.run(prompt, SelectionConfig(selector="query_impact", recompute_ratio=RATIO, check_layers=(1,),
+                                              budgets=(1.0,), row_bucket=8), num_probes=1)
+    np.testing.assert_array_equal(chosen(run, prompt), expected)
+
+
+@pytest.mark.parametrize("selector", ["query_aware", "query_aware_fused", "query_impact", "cacheblend_single"])
 def test_new_schedules_at_ratio_one_equal_full_recompute(setup, selector):
     _, prompt, blender, _ = setup
     full = blender.run(prompt, FULL_RECOMPUTE).logits[0]
@@ -160,7 +182,9 @@ def test_selection_config_checks_the_scorer():
         SelectionConfig(query_rows=0)
     with pytest.raises(ConfigError, match="selector="):
         SelectionConfig(selector="first_k")
-    assert set(SCHEDULE_SELECTORS) == {"cacheblend", "cacheblend_single", "query_aware", "query_aware_fused", "learned"}
+    assert set(SCHEDULE_SELECTORS) == {
+        "cacheblend", "cacheblend_single", "query_aware", "query_aware_fused", "query_impact", "learned",
+    }
 
 
 def test_schedule_capacities_follow_one_unit_and_hold_every_kept_row():

@@ -5,6 +5,7 @@ every policy, the learned scorer, the ratio sweep with intervals, the figures)."
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -43,6 +44,17 @@ def test_unknown_preset_and_workload_are_errors():
     config.workload.name = "trivia"
     with pytest.raises(ValueError, match="workload.name='trivia' must be one of"):
         cacheblend_eval.workload_examples(config, byte_tokenizer(chat=True), split="eval", num=1)
+
+
+def test_development_runs_only_on_the_training_split_without_the_learned_scorer():
+    config = cacheblend_rag.get_config("develop")
+    assert config.workload.split == "train" and "learned" not in (*config.policies, *config.sweep.policies)
+    config.sweep.policies = (*config.sweep.policies, "learned")
+    with pytest.raises(ValueError, match="workload.split='train' must be 'eval', or 'train' .* without the 'learned'"):
+        cacheblend_eval.build(config)  # refused before the model loads
+    config.workload.split = "test"
+    with pytest.raises(ValueError, match="workload.split='test' must be"):
+        cacheblend_eval.build(config)
 
 
 @pytest.mark.real_model
@@ -127,8 +139,17 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
     assert scored == straight
     other = cacheblend_rag.get_config("tiny")
     other.eval.continuation_tokens = 6
-    with pytest.raises(ValueError, match=r"holds results of another config \(fields \['eval'\] differ\)"):
+    with pytest.raises(ValueError, match=r"another config \(fields \['eval.continuation_tokens'\] differ\)"):
         cacheblend.run(other, tmp_path)
+    # a run saved before workload.split existed resumes at split "eval", and only there
+    state_path = tmp_path / cacheblend_report.STATE
+    state = json.loads(state_path.read_text())
+    del state["config"]["workload"]["split"]
+    state_path.write_text(json.dumps(state))
+    assert len(cacheblend._resume(tmp_path, config)[0]) == config.num_prompts
+    config.workload.split = "train"
+    with pytest.raises(ValueError, match=r"another config \(fields \['workload.split'\] differ\)"):
+        cacheblend._resume(tmp_path, config)
 
 
 def test_a_piece_commits_its_run_folder_and_nothing_else(tmp_path):

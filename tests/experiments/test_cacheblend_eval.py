@@ -98,6 +98,34 @@ def test_budget_rows_read_each_share_and_the_relative_drop_on_the_sweep():
     assert gold_ll["ratio_1% drop"] == pytest.approx(0.3 + (share - 0.6) / 0.4 * 0.7)
 
 
+def test_budget_differences_pair_our_selectors_with_the_published_ones():
+    """query_impact reaches each quality at 0.6 x CacheBlend's ratio on every prompt, plus noise
+    the prompts share: the paired difference is ours minus theirs, its interval from the same
+    resamples, and only (ours, published) pairs are listed (random is a control)."""
+    rng = np.random.default_rng(0)
+    prompts, ratios = 40, (0.1, 0.3, 0.5)
+    noise = rng.normal(scale=0.3, size=prompts)
+    full = [{"gold_ll": -1.0 + n, "ttft_s": 1.0} for n in noise]
+    reuse = [{"gold_ll": -2.0 + n, "ttft_s": 0.2} for n in noise]
+
+    def curve(speed: float) -> list[list[dict]]:  # share of the loss recovered: min(1, r / speed)
+        return [[{"gold_ll": -2.0 + min(1.0, r / speed) + n, "ttft_s": 0.5} for n in noise] for r in ratios]
+
+    sweep = {}
+    for name, speed in (("cacheblend", 0.5), ("query_impact", 0.3), ("random", 0.9)):
+        sweep.update({(name, r): results for r, results in zip(ratios, curve(speed))})
+    per_policy = {"full_recompute": full, "full_reuse": reuse}
+    rows = ev.budget_differences(sweep, per_policy, 300, 0)
+    assert [(r["policy"], r["minus"]) for r in rows] == [("query_impact", "cacheblend")]
+    (row,) = rows
+    budgets = {r["policy"]: r for r in ev.budget_rows(sweep, per_policy, 300, 0, keys=("gold_ll",))}
+    for label in ("95%", "99%"):
+        want = budgets["query_impact"][f"ratio_{label}"] - budgets["cacheblend"][f"ratio_{label}"]
+        assert row[f"difference_{label}"] == pytest.approx(want)
+        assert row[f"difference_{label}_lo"] <= row[f"difference_{label}"] <= row[f"difference_{label}_hi"] < 0
+    assert row["difference_95%"] == pytest.approx(0.95 * 0.3 - 0.95 * 0.5, abs=0.02)
+
+
 def test_significance_needs_the_interval_and_a_difference_above_the_tolerance():
     per_policy = {
         "full_recompute": [{"kl": 0.0, "gold": g} for g in (1.0, 0.0, 1.0, 1.0)],
