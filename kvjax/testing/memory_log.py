@@ -6,7 +6,10 @@ appends ``time,rss_mib,children_mib`` to ``<folder>/<worker>.samples.csv`` every
 ``combined_peak`` reads every worker's samples and adds them up over time, each worker
 counted at its latest sample (zero before its first and after its last), so the peak it
 reports is what the workers held together at one moment, not the sum of their separate
-peaks. ``python -m kvjax.testing.memory_log <folder>`` prints it.
+peaks. The suite's fixture also appends one row per test to ``<folder>/<worker>.csv``
+(``test id,rss_mib,children_mib,peak_mib,time``, and a ``<module>::(released)`` row after each
+module); ``module_peaks`` reads both to give each module's peak. ``python -m
+kvjax.testing.memory_log <folder>`` prints both.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import numpy as np
 import psutil
 
 SUFFIX = ".samples.csv"
+TESTS = ".csv"
+"""Suffix of a worker's per-test rows (a samples file ends in ``SUFFIX``)."""
 
 
 class RssSampler:
@@ -81,10 +86,8 @@ def combined_peak(folder: pathlib.Path) -> CombinedPeak:
     """
     series: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for path in sorted(pathlib.Path(folder).glob(f"*{SUFFIX}")):
-        rows = np.loadtxt(path, delimiter=",", ndmin=2)
-        if len(rows):
-            order = np.argsort(rows[:, 0], kind="stable")
-            series[path.name.removesuffix(SUFFIX)] = rows[order, 0], rows[order, 1] + rows[order, 2]
+        if path.stat().st_size:
+            series[path.name.removesuffix(SUFFIX)] = _series(path)
     if not series:
         raise ValueError(
             f"{folder} holds no worker samples (*{SUFFIX}); run pytest with KVJAX_TEST_MEMORY_LOG={folder}"
@@ -106,6 +109,44 @@ def combined_peak(folder: pathlib.Path) -> CombinedPeak:
     )
 
 
+def _series(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
+    """(time [S] s, resident MiB with children [S]) of one samples file, in time order."""
+    rows = np.loadtxt(path, delimiter=",", ndmin=2)
+    order = np.argsort(rows[:, 0], kind="stable")
+    return rows[order, 0], rows[order, 1] + rows[order, 2]
+
+
+def module_peaks(folder: pathlib.Path) -> dict[str, float]:
+    """Each test module's peak resident MiB (its worker's, children included): the largest
+    sample between the end of the test before the module's first and the module's last row
+    (rows carry whole seconds, so a span reaches one second either side). Heaviest first.
+
+    Raises:
+      ValueError: ``folder`` holds no per-test rows beside samples.
+    """
+    peaks: dict[str, float] = {}
+    for path in sorted(pathlib.Path(folder).glob(f"*{SUFFIX}")):
+        tests = path.with_name(path.name.removesuffix(SUFFIX) + TESTS)
+        if not tests.is_file():
+            continue
+        t, mib = _series(path)
+        start = t[0]
+        spans: dict[str, list[float]] = {}
+        for line in tests.read_text().splitlines():
+            test_id, *_, when = line.rsplit(",", 4)  # a test id may hold commas, the numbers do not
+            module = test_id.split("::", 1)[0]
+            span = spans.setdefault(module, [start - 1, float(when) + 1])
+            span[1] = float(when) + 1
+            start = float(when)
+        for module, (lo, hi) in spans.items():
+            inside = mib[(t >= lo) & (t <= hi)]
+            if len(inside):
+                peaks[module] = max(peaks.get(module, 0.0), float(inside.max()))
+    if not peaks:
+        raise ValueError(f"{folder} holds no per-test rows (*{TESTS}) beside its samples (*{SUFFIX})")
+    return dict(sorted(peaks.items(), key=lambda kv: -kv[1]))
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m kvjax.testing.memory_log <folder of KVJAX_TEST_MEMORY_LOG>")
@@ -114,3 +155,6 @@ if __name__ == "__main__":
     own = ", ".join(f"{name} {mib / 1024:.2f}" for name, mib in peak.worker_peaks.items())
     print(f"workers together: peak {peak.peak_mib / 1024:.2f} GiB at {time.strftime('%H:%M:%S', time.gmtime(peak.at))} "
           f"UTC ({workers}); each worker's own peak: {own} GiB; {peak.seconds / 60:.1f} min sampled")
+    modules = module_peaks(pathlib.Path(sys.argv[1]))
+    print("modules by peak (GiB, worker with children): "
+          + ", ".join(f"{module} {mib / 1024:.2f}" for module, mib in list(modules.items())[:12]))
