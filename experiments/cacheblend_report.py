@@ -371,14 +371,16 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
             if budgets
             else "(no sweep)\n",
         ),
-        (
-            "Our selectors against the published ones",
-            report.markdown_table(_display_differences(differences))
-            + f"\nthe ratio each of this project's selectors needs on {LIKELIHOOD} minus the ratio a published one "
-            "needs (negative: ours needs less), at each column of the table above, with a paired bootstrap 95% CI "
-            "(both from the same resamples of the sweep's prompts).\n"
+        *(
+            [(
+                "Our selectors against the published ones",
+                report.markdown_table(_display_differences(differences))
+                + f"\nthe ratio each of this project's selectors needs on {LIKELIHOOD} minus the ratio a published "
+                "one needs (negative: ours needs less), at each column of the table above, with a paired bootstrap "
+                "95% CI (both from the same resamples of the sweep's prompts).\n",
+            )]
             if differences
-            else "(no selector of ours swept beside a published one)\n",
+            else []
         ),
         (
             "Quality vs recompute ratio",
