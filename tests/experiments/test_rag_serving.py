@@ -154,7 +154,7 @@ def test_tiny_preset_serves_the_stream_under_every_policy_in_pieces(tmp_path):
     unstored = [float(r["recomputed_share"]) for r in blend_queries if r["chunks_miss"] == k]
     assert loaded and max(loaded) < 0.6  # every chunk read: a share of it recomputed
     assert unstored and min(unstored) > 0.8  # no chunk stored yet: every chunk token recomputed in place
-    # the disk tier reads at 0.01 GB/s, slower than recomputing: "auto" recomputes every chunk it
+    # the tiny preset's disk tier reads at 0.001 GB/s, slower than recomputing: "auto" recomputes every chunk it
     # finds there and reads the others
     records = _records(tmp_path / "queries-cacheblend_auto-lru-disk.csv")
     assert sum(int(r["chunks_disk"]) for r in records) > 0 and sum(int(r["chunks_host"]) for r in records) > 0
