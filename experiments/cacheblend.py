@@ -53,30 +53,6 @@ def _ratio(config: ml_collections.ConfigDict, controller, num_tokens: int) -> fl
         raise ValueError(f"policy.recompute_ratio={requested!r} must be a number in [0, 1] or 'auto'") from None
 
 
-ADDED_FIELDS = {"workload.split": "eval"}
-"""Config fields added after runs under ``docs/results/`` began, at the value that reproduces
-them: a saved config without the field resumes when the field has that value."""
-
-
-def _comparable(config: ml_collections.ConfigDict) -> dict:
-    """The config without the fields a resumed run may change (its size and its pieces' bounds)."""
-    d = config.to_dict()
-    d.pop("num_prompts", None)
-    d.pop("piece", None)
-    return json.loads(json.dumps(d, default=str))
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    """Nested dicts as one dict of dotted keys."""
-    out: dict = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _resume(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> tuple[list[dict], dict | None]:
     """Records already in ``workdir`` (first ``num_prompts``) and its saved state, or ([], None).
 
@@ -87,9 +63,7 @@ def _resume(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> tuple[l
     if not state_path.is_file():
         return [], None
     state = json.loads(state_path.read_text())
-    saved, current = _flat(state["config"]), _flat(_comparable(config))
-    saved = {**{k: v for k, v in ADDED_FIELDS.items() if k in current}, **saved}
-    differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    differ = cacheblend_report.config_differences(state["config"], config)
     if differ:
         raise ValueError(f"{workdir} holds results of another config (fields {differ} differ); use a new --workdir")
     records = read_lines(workdir / RECORDS)
@@ -134,7 +108,7 @@ def run(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict:
         ratio = _ratio(config, controller, int(n_mean))
         sel_cfg = ev.selection_config(config, ratio)
         weights, learned = ev.train_learned(setup, config, sel_cfg) if setup.train_examples else ((), {})
-        state = {"config": _comparable(config), "weights": list(weights), "learned": learned,
+        state = {"config": cacheblend_report.comparable(config), "weights": list(weights), "learned": learned,
                  "meta": _meta(setup, controller, n_mean, ratio, tier_rows)}
         report.write_json(workdir / STATE, state)
         (workdir / RECORDS).write_text("")

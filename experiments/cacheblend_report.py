@@ -11,6 +11,12 @@ recall, the loading controller.
 Regenerate them from whatever a run folder holds (a run still going, or stopped midway)::
 
     python -m experiments.cacheblend_report runs/cacheblend-20261204-190000
+
+A selector added after a run was made is evaluated on the same prompts in a folder of its own
+(the same config, sweeping only the new selectors) and paired with the published selectors of
+the first run (``write_against``)::
+
+    python -m experiments.cacheblend_report <new folder> --against <first run's folder>
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from experiments.cacheblend_eval import (
     recovery,
     speed_row,
 )
-from experiments.policies import POLICIES
+from experiments.policies import OWN_SELECTORS, POLICIES, PUBLISHED_SELECTORS
 
 RECORDS = "per_prompt.jsonl"
 """One JSON line per scored prompt: {"index", "num_tokens", "runs": {key: metrics}, "time": {...}, ...}."""
@@ -51,6 +57,39 @@ DEVIATIONS = "deviation"
 TIME_SLACK = 1.3
 """A selector's time fraction must stay within this factor of its FLOP fraction (plus the fixed cost)."""
 PHASES = ("load_s", "check_layers_s", "row_layers_s", "logits_s")
+ADDED_FIELDS = {"workload.split": "eval"}
+"""Config fields added after runs under ``docs/results/`` began, at the value that reproduces
+them: a saved config without the field reads as one with the field at that value."""
+SELECTOR_FIELDS = ("policies", "sweep.policies")
+"""The config fields two runs of the same prompts may differ in and still be paired (``write_against``)."""
+
+
+def comparable(config: ml_collections.ConfigDict) -> dict:
+    """The config as a JSON dict without the fields a resumed run may change (its size and its
+    pieces' bounds)."""
+    d = config.to_dict()
+    d.pop("num_prompts", None)
+    d.pop("piece", None)
+    return json.loads(json.dumps(d, default=str))
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as one dict of dotted keys."""
+    out: dict = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(saved: dict, config: ml_collections.ConfigDict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """The dotted fields, but ``ignore``, in which ``saved`` (a ``comparable`` dict, perhaps
+    written before ``ADDED_FIELDS``) and ``config`` differ, sorted."""
+    current = _flat(comparable(config))
+    old = {**{k: v for k, v in ADDED_FIELDS.items() if k in current}, **_flat(saved)}
+    return sorted(k for k in set(old) | set(current) if old.get(k) != current.get(k) and k not in ignore)
 
 
 def _with_ci(row: dict, key: str) -> str:
@@ -177,6 +216,84 @@ def write_folder(workdir: pathlib.Path) -> dict:
         raise ValueError(f"{workdir} holds no scored prompt yet ({RECORDS} is empty)")
     devs = [np.load(workdir / DEVIATIONS / f"{r['index']:05d}.npy").astype(np.float32) for r in records]
     return write(workdir, config, records=records, state=state, pieces=read_lines(workdir / PIECES), devs=devs)
+
+
+def _read_run(workdir: pathlib.Path) -> tuple[ml_collections.ConfigDict, dict[int, dict]]:
+    """The config of the run in ``workdir`` and its scored prompts by index.
+
+    Raises:
+      FileNotFoundError: ``workdir`` holds no run.
+    """
+    if not (workdir / "config.json").is_file():
+        raise FileNotFoundError(f"{workdir} holds no CacheBlend run: config.json is missing")
+    config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    return config, {r["index"]: r for r in read_lines(workdir / RECORDS) if r["index"] < config.num_prompts}
+
+
+def write_against(workdir: pathlib.Path, base: pathlib.Path) -> dict:
+    """Our selectors (``OWN_SELECTORS``) swept in ``workdir`` against the published ones
+    (``PUBLISHED_SELECTORS``) swept in ``base``: two runs of one config but its
+    ``SELECTOR_FIELDS``, so of the same prompts. On the prompts both scored: the ratio each
+    selector needs (``budget_rows``; its speedup against its own run's full recompute) and the
+    paired differences of ours minus theirs (``budget_differences``; the goals from ``base``'s
+    full recompute and full reuse). Writes ``against-<base name>.md``, ``-budget.csv`` and
+    ``-differences.csv`` in ``workdir``; returns the rows and the largest gap between the two
+    runs' full recompute or full reuse gold-answer likelihood on one prompt (nats per token;
+    0 on one machine: the runs are deterministic).
+
+    Raises:
+      FileNotFoundError: either folder holds no run.
+      ValueError: the configs differ in other fields; a shared prompt's length or reference
+        answer differs; the runs share no prompt, or no selector of ours or no published one.
+    """
+    workdir, base = pathlib.Path(workdir), pathlib.Path(base)
+    (config, records), (base_config, base_records) = _read_run(workdir), _read_run(base)
+    differ = config_differences(comparable(base_config), config, ignore=SELECTOR_FIELDS)
+    if differ:
+        raise ValueError(f"{workdir} and {base} ran other configs (fields {differ} differ): their prompts differ")
+    ours = [n for n in config.sweep.policies if n in OWN_SELECTORS]
+    theirs = [n for n in base_config.sweep.policies if n in PUBLISHED_SELECTORS]
+    if not ours or not theirs:
+        raise ValueError(f"{workdir} must sweep one of {OWN_SELECTORS} (it sweeps {tuple(config.sweep.policies)}) and "
+                         f"{base} one of {PUBLISHED_SELECTORS} (it sweeps {tuple(base_config.sweep.policies)})")
+    swept = [(records, n) for n in ours] + [(base_records, n) for n in theirs]
+    shared = sorted(i for i in set(records) & set(base_records)
+                    if all(f"{n}@{r:g}" in rs[i]["runs"] for rs, n in swept for r in config.sweep.ratios))
+    if not shared:
+        raise ValueError(f"{workdir} and {base} share no prompt swept by every selector")
+    for i in shared:
+        mine, theirs_ = records[i], base_records[i]
+        if (mine["num_tokens"], mine["reference_answer"]) != (theirs_["num_tokens"], theirs_["reference_answer"]):
+            raise ValueError(
+                f"prompt {i} differs: {mine['num_tokens']} tokens answered {mine['reference_answer']!r} in {workdir}, "
+                f"{theirs_['num_tokens']} answered {theirs_['reference_answer']!r} in {base}")
+    ends = ("full_recompute", "full_reuse")
+    own_ends = {n: [records[i]["runs"][n] for i in shared] for n in ends}
+    base_ends = {n: [base_records[i]["runs"][n] for i in shared] for n in ends}
+    gap = max(abs(a[LIKELIHOOD] - b[LIKELIHOOD]) for n in ends for a, b in zip(own_ends[n], base_ends[n]))
+    sweep = {(n, r): [rs[i]["runs"][f"{n}@{r:g}"] for i in shared] for rs, n in swept for r in config.sweep.ratios}
+    nboot, seed = config.eval.bootstrap, config.seed
+    budgets = [*budget_rows({k: v for k, v in sweep.items() if k[0] in ours}, own_ends, nboot, seed),
+               *budget_rows({k: v for k, v in sweep.items() if k[0] in theirs}, base_ends, nboot, seed)]
+    differences = budget_differences(sweep, base_ends, nboot, seed)
+    stem = f"against-{base.name}"
+    report.write_csv(workdir / f"{stem}-budget.csv", budgets)
+    report.write_csv(workdir / f"{stem}-differences.csv", differences)
+    text = (
+        f"{', '.join(ours)} (this folder) against {', '.join(theirs)} (`{base}`), on the {len(shared)} prompts both "
+        f"scored (indices {shared[0]}-{shared[-1]}), at ratios {tuple(config.sweep.ratios)}. Goals come from "
+        f"`{base.name}`'s full recompute and full reuse; this folder's differ from them by at most {gap:.2g} "
+        f"nats per token ({LIKELIHOOD}, any prompt). Speedups are against each run's own full recompute.\n\n"
+        + _budget_headline(budgets)
+    )
+    report.write_summary(workdir, f"{', '.join(ours)} against the published selectors of {base.name}", [
+        ("Pairing", text),
+        ("Ratio each selector needs (bootstrap 95% CI over prompts), with the TTFT speedup there",
+         report.markdown_table(_display_budgets(budgets))),
+        ("Ours minus published: difference of the ratios needed, paired bootstrap 95% CI (negative = ours needs less)",
+         report.markdown_table(_display_differences(differences))),
+    ], name=f"{stem}.md")
+    return {"prompts": len(shared), "likelihood_gap": gap, "budget": budgets, "budget_differences": differences}
 
 
 def _pieces_text(pieces: list[dict]) -> str:
@@ -430,8 +547,13 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
 
 
 def main(argv: list[str]) -> None:
+    if len(argv) == 4 and argv[2] == "--against":
+        workdir, base = pathlib.Path(argv[1]), pathlib.Path(argv[3])
+        results = write_against(workdir, base)
+        print(f"{results['prompts']} prompts paired: {workdir / f'against-{base.name}.md'}")
+        return
     if len(argv) != 2:
-        raise SystemExit("usage: python -m experiments.cacheblend_report <run folder>")
+        raise SystemExit("usage: python -m experiments.cacheblend_report <run folder> [--against <base run folder>]")
     results = write_folder(pathlib.Path(argv[1]))
     print(results["headline_text"])
     print(f"summary: {pathlib.Path(argv[1]) / 'summary.md'}")

@@ -84,10 +84,11 @@ def save_figure(fig: Figure, path: pathlib.Path, dpi: int = 120) -> None:
     plt.close(fig)
 
 
-def write_summary(workdir: pathlib.Path, title: str, sections: Sequence[tuple[str, str]]) -> None:
-    """``summary.md``: a title and (heading, markdown body) sections."""
+def write_summary(workdir: pathlib.Path, title: str, sections: Sequence[tuple[str, str]], *,
+                  name: str = "summary.md") -> None:
+    """``workdir / name``: a title and (heading, markdown body) sections."""
     parts = [f"# {title}\n"] + [f"\n## {heading}\n\n{body}" for heading, body in sections]
-    (workdir / "summary.md").write_text("".join(parts))
+    (workdir / name).write_text("".join(parts))
 
 
 def latest_runs(runs_dir: pathlib.Path) -> dict[str, pathlib.Path]:

@@ -6,15 +6,19 @@ timing that never includes a compilation."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import types
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
+from configs import cacheblend_rag
 from experiments import cacheblend_eval as ev
-from experiments import statistics
+from experiments import cacheblend_report, report, statistics
 from experiments.timing import compilations_during
 from experiments.workloads.rag import RagExample
 from kvjax import metrics
@@ -124,6 +128,58 @@ def test_budget_differences_pair_our_selectors_with_the_published_ones():
         assert row[f"difference_{label}"] == pytest.approx(want)
         assert row[f"difference_{label}_lo"] <= row[f"difference_{label}"] <= row[f"difference_{label}_hi"] < 0
     assert row["difference_95%"] == pytest.approx(0.95 * 0.3 - 0.95 * 0.5, abs=0.02)
+
+
+def _saved_run(folder: pathlib.Path, config: ml_collections.ConfigDict, speeds: dict[str, float],
+               noise: np.ndarray) -> None:
+    """A run folder of ``config`` whose selectors recover min(1, r / speed) of full reuse's loss."""
+    folder.mkdir()
+    report.write_config(folder, config)
+    lines = []
+    for i, n in enumerate(noise):
+        runs = {"full_recompute": {"gold_ll": -1.0 + n, "ttft_s": 1.0},
+                "full_reuse": {"gold_ll": -2.0 + n, "ttft_s": 0.2}}
+        runs.update({f"{name}@{r:g}": {"gold_ll": -2.0 + min(1.0, r / speed) + n, "ttft_s": 0.2 + 0.8 * r}
+                     for name, speed in speeds.items() for r in config.sweep.ratios})
+        lines.append(json.dumps({"index": i, "num_tokens": 500 + i, "reference_answer": f"a{i}", "runs": runs}) + "\n")
+    (folder / cacheblend_report.RECORDS).write_text("".join(lines))
+
+
+def test_a_selector_run_later_is_paired_with_the_published_ones_on_the_same_prompts(tmp_path):
+    """query_impact, swept in a folder of its own, reaches each quality at 0.6 x CacheBlend's
+    ratio (swept in the base run, on 40 prompts; the new run scored the first 30): the pairing
+    uses the 30 shared prompts, base's goals, and refuses runs of another config or prompt."""
+    noise = np.random.default_rng(0).normal(scale=0.3, size=40)
+    config = cacheblend_rag.get_config("paper")
+    config.sweep.ratios = (0.1, 0.3, 0.5)
+    config.eval.bootstrap = 300
+    config.sweep.policies = ("cacheblend", "random")
+    _saved_run(tmp_path / "base", config, {"cacheblend": 0.5, "random": 0.9}, noise)
+    config.sweep.policies = ("query_impact",)
+    config.policies = ("full_recompute", "full_reuse", "query_impact")
+    _saved_run(tmp_path / "new", config, {"query_impact": 0.3}, noise[:30])
+    out = cacheblend_report.write_against(tmp_path / "new", tmp_path / "base")
+    assert out["prompts"] == 30 and out["likelihood_gap"] == 0.0
+    (row,) = out["budget_differences"]
+    assert (row["policy"], row["minus"], row["prompts"]) == ("query_impact", "cacheblend", 30)
+    assert row["difference_95%"] == pytest.approx(0.95 * 0.3 - 0.95 * 0.5, abs=0.02)
+    assert row["difference_95%_lo"] <= row["difference_95%"] <= row["difference_95%_hi"] < 0
+    budgets = {(b["policy"], b["metric"]): b for b in out["budget"]}
+    assert set(budgets) == {("query_impact", "gold_ll"), ("cacheblend", "gold_ll")}  # random is no published selector
+    speedup = budgets[("query_impact", "gold_ll")]["speedup_95%"]
+    assert speedup == pytest.approx(1.0 / (0.2 + 0.8 * 0.95 * 0.3), rel=0.02)
+    summary = (tmp_path / "new" / "against-base.md").read_text()
+    assert "on the 30 prompts both scored (indices 0-29)" in summary
+    assert (tmp_path / "new" / "against-base-differences.csv").is_file()
+
+    records = (tmp_path / "new" / cacheblend_report.RECORDS).read_text().replace('"num_tokens": 503', '"num_tokens": 9')
+    (tmp_path / "new" / cacheblend_report.RECORDS).write_text(records)
+    with pytest.raises(ValueError, match=r"prompt 3 differs: 9 tokens answered 'a3' in .*, 503 answered 'a3' in"):
+        cacheblend_report.write_against(tmp_path / "new", tmp_path / "base")
+    config.seed = 1
+    report.write_config(tmp_path / "new", config)
+    with pytest.raises(ValueError, match=r"ran other configs \(fields \['seed'\] differ\)"):
+        cacheblend_report.write_against(tmp_path / "new", tmp_path / "base")
 
 
 def test_significance_needs_the_interval_and_a_difference_above_the_tolerance():

@@ -250,16 +250,8 @@ def test_spilling_a_host_block_that_drops_its_last_disk_child_queues_it_once():
     child: dropping the child must not queue the host block on the host tier again (it left
     that queue; it lands on the disk tier). Found by the machine above."""
     m = CacheMachine()
-    m.setup(
-        windows=(MAX_LEN,),
-        device_pages=6,
-        host_pages=2,
-        disk_pages=3,
-        reuse=True,
-        partial=False,
-        copy=False,
-        offload_min=0,
-    )
+    m.setup(windows=(MAX_LEN,), device_pages=6, host_pages=2, disk_pages=3, reuse=True, partial=False, copy=False,
+            offload_min=0)
     steps = [
         ("add", dict(base=BASES[0], cut=3, suffix=[], chunk=3, priority=None)),
         ("decode", dict(data=_Draws("r0", 1), drafts=0, token=0)),
