@@ -66,7 +66,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     config.checks = ml_collections.ConfigDict()
     config.checks.rss_warmup_fraction = 0.3  # resident memory is compared after this share of the run
-    config.checks.rss_growth_mb = 256  # allowed growth after warm-up, summed over the steps that compiled no program
+    # allowed rise of resident memory's high-water mark after warm-up, summed over the steps that compiled no program
+    config.checks.rss_growth_mb = 256
     config.checks.drain_steps = 5000  # steps the engines get to finish every request at the end
     # An int8 request's largest |logit difference| from a cold int8 run, as a multiple of that
     # run's own from float32. Both runs are int8 roundings of the same float32 computation, each

@@ -64,5 +64,13 @@ def test_memory_growth_tells_a_leak_from_compiled_programs_and_faults():
     leak = compiles + 10.0 * times  # 10 MiB every sample besides
     growth = soak.memory_growth(times, leak, programs, faults, 0.3)
     assert (growth.total, growth.without_compiles, growth.with_compiles, growth.with_faults) == (210, 40, 110, 60)
+    assert growth.peak_without_compiles == 40  # each quiet step's 10 MiB is new memory
+    # a fault hands 200 MiB back (sample 7) and the quiet steps after it refill 150 of it: not new memory
+    refill = np.array([100, 200, 300, 300, 300, 400, 400, 200, 275, 350], dtype=np.float64)
+    growth = soak.memory_growth(times, refill, programs, faults, 0.3)
+    assert (growth.total, growth.without_compiles, growth.with_faults) == (50, 150, -200)
+    assert growth.peak_without_compiles == 0
+    refill[-1] = 430  # past the mark of 400 by 30
+    assert soak.memory_growth(times, refill, programs, faults, 0.3).peak_without_compiles == 30
     with pytest.raises(ValueError, match=r"checks.rss_warmup_fraction=1.0 must be in \[0, 1\)"):
         soak.memory_growth(times, leak, programs, faults, 1.0)
