@@ -419,8 +419,9 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *, records: 
         f"read + written):\n\n" + _pieces_text(pieces)
     )
     w = config.workload
+    split = w.get("split", ADDED_FIELDS["workload.split"])  # a run saved before the field existed: "eval"
     what = {
-        "squad_multidoc": f"SQuAD `{w.source}` eval split, gold + up to {w.num_distractors} distractor paragraphs",
+        "squad_multidoc": f"SQuAD `{w.source}` {split} split, gold + up to {w.num_distractors} distractor paragraphs",
         "needle_haystack": f"needle in a haystack ({', '.join(w.niah_tasks)}), chunks {tuple(w.chunk_range)} tokens",
         "synthetic": f"synthetic ({', '.join(w.tasks)}), chunks {tuple(w.num_chunks)} x {tuple(w.chunk_tokens)}",
     }[w.name]

@@ -122,6 +122,7 @@ def test_tiny_preset_runs_every_policy_on_real_squad_and_resumes(tmp_path):
     (tmp_path / "summary.md").unlink()
     cacheblend_report.write_folder(tmp_path)
     assert (tmp_path / "summary.md").read_text() == summary  # the report regenerates from the folder alone
+    assert "eval split, gold + up to 2 distractor paragraphs" in summary  # the split the config names
 
     pieces = tmp_path / "pieces"  # the same run in two pieces: the same records
     config.piece.max_prompts = 1
